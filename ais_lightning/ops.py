@@ -1,0 +1,114 @@
+"""Small pure-tensor helpers shared by correctors, losses and diagnostics.
+
+Conventions (design.md section 2): log-prob tensors are ``[B, T]`` floats, ``mask`` is a
+``[B, T]`` bool tensor with True on valid response tokens. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios log(pi) - log(mu) are clamped to +-20 before ``exp`` (design.md section 3)."""
+
+
+def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
+    """Raise ValueError unless ``mask`` is a 2-D bool tensor."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a bool tensor (True = valid response token), got dtype {mask.dtype}")
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must have shape [B, T], got {tuple(mask.shape)}")
+
+
+def check_token_tensor(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
+    """Raise ValueError unless ``x`` is a floating tensor shaped like ``mask``, finite on valid tokens."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.shape != mask.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
+    if not bool(torch.isfinite(x[mask]).all()):
+        raise ValueError(f"{name} has non-finite values on valid (mask=True) tokens")
+
+
+def check_logprob_inputs(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, **optional: torch.Tensor | None
+) -> None:
+    """Validate the shared ``(train_logprobs, rollout_logprobs, mask)`` signature.
+
+    Extra keyword tensors (e.g. ``entropy=...``) are checked the same way when not None.
+    An ``advantages`` tensor may also be ``[B]`` (one advantage per sequence).
+    """
+    check_mask(mask)
+    check_token_tensor(train_logprobs, "train_logprobs", mask)
+    check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if name == "advantages" and isinstance(value, torch.Tensor) and value.dim() == 1:
+            if value.shape[0] != mask.shape[0]:
+                raise ValueError(f"advantages has shape {tuple(value.shape)}; expected [B]={mask.shape[0]} or [B, T]")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError("advantages has non-finite values")
+            continue
+        check_token_tensor(value, name, mask)
+
+
+def log_ratio(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """delta = clamp(log pi - log mu, -20, 20), zero on masked tokens, detached.  # [B, T]"""
+    delta = (train_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(mask, delta, torch.zeros_like(delta))
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` over valid tokens (all of them, or along ``dim``)."""
+    x = torch.where(mask, x, torch.zeros_like(x))
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over valid tokens; 0 (not NaN) where there are none."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
+def sequence_log_ratio(delta: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Per-sequence log-ratio broadcast to tokens.  # [B, T]
+
+    ``sequence``: sum of token log-ratios (log of the product of ratios);
+    ``geometric``: mean of token log-ratios (log of the geometric mean).
+    Clamped to +-20 so that exp stays finite.
+    """
+    if level == "sequence":
+        seq = masked_sum(delta, mask, dim=-1)  # [B]
+    elif level == "geometric":
+        seq = masked_mean(delta, mask, dim=-1)  # [B]
+    else:
+        raise ValueError(f"level must be 'sequence' or 'geometric' here, got {level!r}")
+    seq = seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return seq.unsqueeze(-1).expand_as(delta)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of ``tokens`` under ``softmax(logits / temperature)``, computed in fp32.
+
+    logits: ``[..., V]``; tokens: ``[...]`` (long). Returns ``[...]`` float32.
+    The same temperature processing is used by the trainer and every rollout engine, so that
+    pi and mu are comparable (trl #4159).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    scaled = logits.float() / temperature  # [..., V]
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` in nats, computed in fp32.  # [...]"""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for entropy, got {temperature}")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
+    return -(logp.exp() * logp).sum(-1)

@@ -30,7 +30,7 @@ def check_token_tensor(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.shape != mask.shape:
         raise ValueError(f"{name} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
-    if not bool(torch.isfinite(x[mask]).all()):
+    if not bool((torch.isfinite(x) | ~mask).all()):  # no boolean indexing: one fused pass
         raise ValueError(f"{name} has non-finite values on valid (mask=True) tokens")
 
 

@@ -1,0 +1,164 @@
+"""What every corrector shares: the output type, input validation, the level ratio and the stats.
+
+A corrector maps ``(train_logprobs, rollout_logprobs, mask)`` to per-token weights and a mask of
+the tokens that stay in the loss (design.md section 3). The importance ratio is always
+``w = pi_old / mu = exp(delta)`` with ``delta = clamp(log pi_old - log mu, -20, 20)``
+(see ``ais_lightning.ops.log_ratio``). Pure torch, no Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ais_lightning import ops
+
+LEVELS = ("token", "sequence", "geometric")
+"""Aggregation levels of the importance ratio: per token, product over the response, geometric mean."""
+
+
+@dataclass
+class CorrectionOutput:
+    """The result of a corrector call (design.md section 3)."""
+
+    weights: torch.Tensor
+    """``[B, T]`` float32, detached; multiplies the per-token policy-gradient loss; 0 where not ``mask``."""
+    mask: torch.Tensor
+    """``[B, T]`` bool: tokens that stay in the loss AND in its denominator (a subset of the input mask)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Raw (pre-correction) ratio statistics and what was clipped / masked, as Python floats."""
+
+
+class RawCorrection(NamedTuple):
+    """What a subclass's ``correct`` returns; ``Corrector.forward`` turns it into a ``CorrectionOutput``."""
+
+    weights: torch.Tensor
+    """``[B, T]`` float weights (values where ``keep`` is False are ignored and zeroed)."""
+    keep: torch.Tensor
+    """``[B, T]`` bool, tokens kept in the loss; must be a subset of the input mask."""
+    clipped: torch.Tensor
+    """``[B, T]`` bool, valid tokens whose weight was clipped."""
+    extra_stats: dict[str, torch.Tensor]
+    """Corrector-specific scalar stats (0-dim tensors)."""
+
+
+def check_level(level: str) -> None:
+    """Raise ValueError unless ``level`` is one of ``LEVELS``."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+
+
+def check_bounds(c_low: float | None, c_high: float) -> None:
+    """Validate a ratio interval ``[c_low, c_high]`` (``c_low=None``: no lower bound).
+
+    The interval must contain 1 (on-policy tokens, w = 1, are never clipped or rejected).
+    """
+    if c_low is not None and c_low > c_high:
+        raise ValueError(f"c_low ({c_low}) must be <= c_high ({c_high})")
+    if not c_high >= 1.0:
+        raise ValueError(f"c_high must be >= 1 (ratio 1 = on-policy must stay in range), got {c_high}")
+    if c_low is not None and not 0.0 <= c_low <= 1.0:
+        raise ValueError(f"c_low must be in [0, 1] (ratio 1 = on-policy must stay in range), got {c_low}")
+
+
+def level_ratio(delta: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Importance ratio at ``level``, broadcast to tokens, 0 on masked tokens.  # [B, T]
+
+    ``token``: ``exp(delta)``; ``sequence``: ``exp(sum_t delta)`` (product of token ratios);
+    ``geometric``: ``exp(mean_t delta)``. Sequence-level log-ratios are clamped to +-20 by
+    ``ops.sequence_log_ratio`` so that the product cannot overflow (design.md section 7).
+    """
+    check_level(level)
+    log_w = delta if level == "token" else ops.sequence_log_ratio(delta, mask, level)  # [B, T]
+    return torch.where(mask, torch.exp(log_w), torch.zeros_like(log_w))
+
+
+def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Max (or min) of ``x`` over valid tokens; 0 when there are none."""
+    fill = -math.inf if largest else math.inf
+    filled = torch.where(mask, x, torch.full_like(x, fill))
+    value = filled.max() if largest else filled.min()
+    return torch.where(mask.any(), value, torch.zeros_like(value))
+
+
+def ratio_stats(
+    delta: torch.Tensor, mask: torch.Tensor, c_high: float, c_low: float
+) -> dict[str, torch.Tensor]:
+    """Token-level raw ratio statistics over valid tokens, before any correction.
+
+    Keys ``ratio/mean``, ``ratio/min``, ``ratio/max``, ``ratio/frac_above_c_high`` (w > c_high) and
+    ``ratio/frac_below_c_low`` (w < c_low). All 0 when the mask is empty.
+    """
+    w = torch.exp(delta)  # [B, T]
+    n = mask.sum().clamp(min=1).to(w.dtype)
+    return {
+        "ratio/mean": ops.masked_mean(w, mask),
+        "ratio/min": _masked_extreme(w, mask, largest=False),
+        "ratio/max": _masked_extreme(w, mask, largest=True),
+        "ratio/frac_above_c_high": (mask & (w > c_high)).sum().to(w.dtype) / n,
+        "ratio/frac_below_c_low": (mask & (w < c_low)).sum().to(w.dtype) / n,
+    }
+
+
+class Corrector(nn.Module):
+    """Base class: validates inputs, computes ``delta``, calls ``correct`` and assembles the stats.
+
+    Subclasses set ``stat_c_high`` / ``stat_c_low`` (the thresholds of the raw-ratio stats) and
+    implement ``correct``. Everything runs without grad; weights come back detached (verl #4105).
+    """
+
+    stat_c_high: float = 2.0
+    stat_c_low: float = 0.5
+
+    def correct(
+        self,
+        delta: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+    ) -> RawCorrection:
+        """Weights and kept tokens from the clamped log-ratio ``delta`` (0 on masked tokens).  # [B, T]"""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        train_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ) -> CorrectionOutput:
+        """Correct one batch.
+
+        Args:
+            train_logprobs: ``[B, T]`` log pi_old of the sampled tokens (high-precision trainer).
+            rollout_logprobs: ``[B, T]`` log mu of the same tokens (rollout engine, same temperature).
+            mask: ``[B, T]`` bool, True on valid response tokens.
+            advantages: optional ``[B]`` or ``[B, T]`` advantages (used by AIS only).
+            entropy: optional ``[B, T]`` trainer token entropy in nats (used by AIS only).
+        """
+        ops.check_logprob_inputs(
+            train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
+        )
+        with torch.no_grad():
+            delta = ops.log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T] float32
+            raw = self.correct(delta, mask, advantages, entropy)
+            keep = raw.keep & mask  # [B, T]
+            weights = torch.where(keep, raw.weights.float(), torch.zeros_like(delta))  # [B, T]
+            n = mask.sum().clamp(min=1).float()
+            stats = ratio_stats(delta, mask, self.stat_c_high, self.stat_c_low)
+            stats["corrector/clipped_frac"] = (raw.clipped & mask).sum().float() / n
+            stats["corrector/masked_frac"] = (mask & ~keep).sum().float() / n
+            stats["corrector/weight_mean"] = ops.masked_mean(weights, keep)
+            stats.update(raw.extra_stats)
+            # One device->host transfer for all stats.
+            values = torch.stack([v.detach().double().reshape(()) for v in stats.values()]).tolist()
+        return CorrectionOutput(
+            weights=weights.detach(),
+            mask=keep,
+            stats=dict(zip(stats.keys(), values)),
+        )

@@ -1,0 +1,270 @@
+"""GRPO / PPO clipped policy-gradient loss with importance-sampling correction.
+
+Surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv 1707.06347) with
+the asymmetric clip of DAPO (Yu et al. 2025, arXiv 2503.14476), per valid token::
+
+    r  = exp(log pi_theta - log pi_old)
+    pg = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
+    pg = min(pg, -dual_clip * A)            if A < 0 and dual_clip is set
+    loss = agg(weights * pg) + kl_coef * agg(k3(pi_theta, ref)) - entropy_coef * agg(entropy)
+
+Dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL" (arXiv 1912.09729);
+verl's ``clip_ratio_c``. It bounds the loss of a negative-advantage token whose ratio has exploded.
+k3 KL estimator (Schulman 2020, "Approximating KL Divergence"): ``exp(ref - logp) - (ref - logp) - 1``,
+an unbiased, non-negative per-token estimate of KL(pi_theta || ref) under samples from pi_theta.
+
+Two ways to use the rollout policy mu (the low-precision engine), following verl's rollout
+correction docs ("decoupled" vs "bypass" mode) and Fu et al. 2025, "AReaL" (arXiv 2505.24298),
+decoupled PPO:
+
+* ``mode="decoupled"`` (three policies): ``old_logprobs`` is pi_old, recomputed by the high-precision
+  trainer before the update; the PPO ratio pi_theta / pi_old is clipped (the trust region), and the
+  off-policy correction pi_old / mu comes from a corrector (TIS/MIS/AIS) as ``weights``, multiplied
+  into the per-token loss *after* clipping (the IS weight is not part of the trust region).
+* ``mode="bypass"`` (two policies): no trainer recompute; the caller passes mu (rollout log-probs) as
+  ``old_logprobs``, so the clipped ratio pi_theta / mu is itself the importance ratio and there is no
+  separate IS weight: passing ``weights`` raises ValueError. A corrector may still reject tokens via
+  ``mask``.
+
+``mask`` defines which tokens enter the loss *and* its denominator: pass
+``response_mask & corrector_output.mask`` so tokens rejected by MIS leave the mean (slime #657).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ais_lightning.ops import LOG_RATIO_CLAMP, check_mask, check_token_tensor, masked_mean, masked_sum
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("decoupled", "bypass")
+
+
+@dataclass
+class LossOutput:
+    """What :class:`GRPOLoss` returns."""
+
+    loss: torch.Tensor
+    """Scalar loss, differentiable w.r.t. ``logprobs`` (and ``entropy`` when ``entropy_coef != 0``)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Detached scalars, keys ``loss/...`` (see :class:`GRPOLoss`)."""
+
+
+def aggregate(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    max_response_length: int | None = None,
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``x`` [B, T] over valid tokens to a scalar.
+
+    * ``token-mean``: ``sum_valid x / n_valid_tokens``.
+    * ``seq-mean-token-mean``: mean over sequences with >= 1 valid token of each sequence's token mean
+      (sequences without valid tokens, e.g. fully rejected by MIS, leave the denominator).
+    * ``seq-mean-token-sum-norm`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783): each sequence's token
+      sum divided by the constant ``max_response_length``, mean over all B sequences.
+
+    ``denominator`` replaces the token count (token-mean) or sequence count (the other two) so that
+    micro-batches of one mini-batch, each divided by the mini-batch's count, sum to the mini-batch loss.
+    No valid tokens gives 0, still connected to the graph of ``x``.
+    """
+    if aggregation == "token-mean":
+        total = masked_sum(x, mask)
+        count = mask.sum()
+    elif aggregation == "seq-mean-token-mean":
+        seq_mean = masked_mean(x, mask, dim=-1)  # [B]
+        total = seq_mean.sum()
+        count = mask.any(dim=-1).sum()
+    elif aggregation == "seq-mean-token-sum-norm":
+        if max_response_length is None:
+            raise ValueError("aggregation='seq-mean-token-sum-norm' requires max_response_length")
+        total = masked_sum(x, mask) / max_response_length
+        count = torch.tensor(mask.shape[0], device=x.device)
+    else:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if denominator is not None:
+        return total / torch.as_tensor(denominator, device=x.device).to(x.dtype)
+    return total / count.clamp(min=1).to(x.dtype)
+
+
+class GRPOLoss(nn.Module):
+    """PPO-clip policy-gradient loss for GRPO with IS weights, k3 KL and entropy bonus.
+
+    Args:
+        epsilon_low: lower clip, ratio >= 1 - epsilon_low; in [0, 1].
+        epsilon_high: upper clip, ratio <= 1 + epsilon_high; >= 0 (DAPO's clip-higher uses e.g. 0.28).
+        dual_clip: dual-clip constant c > 1 for negative advantages, or None to disable.
+        kl_coef: weight of the k3 KL(pi_theta || ref) penalty; >= 0 (needs ``ref_logprobs`` when > 0).
+        entropy_coef: weight of the entropy bonus (subtracted); >= 0 (needs ``entropy`` when > 0).
+        aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``.
+        max_response_length: the constant normalizer of ``seq-mean-token-sum-norm``.
+        mode: ``decoupled`` or ``bypass`` (see the module docstring).
+
+    Stats (floats): ``loss/pg_loss``, ``loss/kl`` and ``loss/entropy`` are aggregated like the loss
+    (with ``denominator`` they are this call's share: sum them over micro-batches), so
+    ``loss/total = pg_loss + kl_coef * kl - entropy_coef * entropy``. ``loss/pg_clipfrac`` (the clipped
+    branch of the min is taken), ``loss/pg_clipfrac_lower`` (the dual clip is active), ``loss/ratio_mean``
+    and ``loss/ratio_max`` are over this call's valid tokens (0 when there are none).
+    """
+
+    def __init__(
+        self,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        dual_clip: float | None = None,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+        aggregation: str = "token-mean",
+        max_response_length: int | None = None,
+        mode: str = "decoupled",
+    ) -> None:
+        super().__init__()
+        if not (0.0 <= epsilon_low <= 1.0):
+            raise ValueError(f"epsilon_low must be in [0, 1], got {epsilon_low}")
+        if not (0.0 <= epsilon_high < math.inf):
+            raise ValueError(f"epsilon_high must be a finite value >= 0, got {epsilon_high}")
+        if dual_clip is not None and not (1.0 < dual_clip < math.inf):
+            raise ValueError(f"dual_clip must be a finite value > 1 (or None), got {dual_clip}")
+        if not (0.0 <= kl_coef < math.inf):
+            raise ValueError(f"kl_coef must be a finite value >= 0, got {kl_coef}")
+        if not (0.0 <= entropy_coef < math.inf):
+            raise ValueError(f"entropy_coef must be a finite value >= 0, got {entropy_coef}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if aggregation == "seq-mean-token-sum-norm" and max_response_length is None:
+            raise ValueError("aggregation='seq-mean-token-sum-norm' requires max_response_length")
+        if max_response_length is not None and (
+            isinstance(max_response_length, bool)
+            or not isinstance(max_response_length, int)
+            or max_response_length < 1
+        ):
+            raise ValueError(f"max_response_length must be a positive int, got {max_response_length!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.epsilon_low = float(epsilon_low)
+        self.epsilon_high = float(epsilon_high)
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
+        self.kl_coef = float(kl_coef)
+        self.entropy_coef = float(entropy_coef)
+        self.aggregation = aggregation
+        self.max_response_length = max_response_length
+        self.mode = mode
+
+    def extra_repr(self) -> str:
+        return (
+            f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, dual_clip={self.dual_clip}, "
+            f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}, aggregation={self.aggregation!r}, "
+            f"max_response_length={self.max_response_length}, mode={self.mode!r}"
+        )
+
+    def _aggregate(self, x: torch.Tensor, mask: torch.Tensor, denominator) -> torch.Tensor:
+        return aggregate(x, mask, self.aggregation, self.max_response_length, denominator)
+
+    def forward(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+        denominator: float | torch.Tensor | None = None,
+    ) -> LossOutput:
+        """Loss and stats for one (micro-)batch.
+
+        Args:
+            logprobs: ``[B, T]`` log pi_theta of the sampled tokens, with grad.
+            old_logprobs: ``[B, T]`` log pi_old (decoupled) or log mu (bypass); detached here.
+            advantages: ``[B]`` (one per sequence) or ``[B, T]``; detached here.
+            mask: ``[B, T]`` bool, tokens in the loss and its denominator.
+            weights: ``[B, T]`` non-negative IS weights from a corrector (decoupled mode only); detached.
+            ref_logprobs: ``[B, T]`` reference-policy log-probs for the KL penalty.
+            entropy: ``[B, T]`` token entropies of pi_theta for the bonus (keeps its grad).
+            denominator: positive count replacing the aggregation's token/sequence count.
+        """
+        check_mask(mask)
+        check_token_tensor(logprobs, "logprobs", mask)
+        check_token_tensor(old_logprobs, "old_logprobs", mask)
+        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
+            if advantages.shape[0] != mask.shape[0]:
+                raise ValueError(
+                    f"advantages has shape {tuple(advantages.shape)}; expected [B]={mask.shape[0]} or [B, T]"
+                )
+            advantages = advantages.unsqueeze(-1).expand(mask.shape)  # [B, T]
+        check_token_tensor(advantages, "advantages", mask)
+        if weights is not None:
+            if self.mode == "bypass":
+                raise ValueError(
+                    "weights must be None in mode='bypass': the clipped ratio pi_theta/mu already is the "
+                    "importance ratio; use mode='decoupled' to pass corrector weights"
+                )
+            check_token_tensor(weights, "weights", mask)
+            if bool((weights[mask] < 0).any()):
+                raise ValueError("weights has negative values on valid tokens; IS weights must be >= 0")
+        if ref_logprobs is not None:
+            check_token_tensor(ref_logprobs, "ref_logprobs", mask)
+        elif self.kl_coef > 0:
+            raise ValueError(f"ref_logprobs is required when kl_coef={self.kl_coef} > 0")
+        if entropy is not None:
+            check_token_tensor(entropy, "entropy", mask)
+        elif self.entropy_coef > 0:
+            raise ValueError(f"entropy is required when entropy_coef={self.entropy_coef} > 0")
+        if denominator is not None and not bool(torch.as_tensor(denominator) > 0):
+            raise ValueError(f"denominator must be > 0, got {denominator}")
+
+        dtype = torch.promote_types(logprobs.dtype, torch.float32)
+
+        def clean(x: torch.Tensor) -> torch.Tensor:
+            # Zero masked positions *before* any math so padding (-inf, NaN) cannot leak into grads.
+            x = x.to(dtype)
+            return torch.where(mask, x, torch.zeros_like(x))  # [B, T]
+
+        logp = clean(logprobs)  # [B, T], grad
+        old = clean(old_logprobs.detach())  # [B, T]
+        adv = clean(advantages.detach())  # [B, T]
+
+        ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
+        pg_unclipped = -adv * ratio  # [B, T]
+        pg_clipped = -adv * ratio.clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)  # [B, T]
+        pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
+        clipped = (pg_clipped > pg_unclipped) & mask  # [B, T]
+        if self.dual_clip is not None:
+            pg_dual = -adv * self.dual_clip  # [B, T]
+            dual_active = (adv < 0) & (pg > pg_dual) & mask  # [B, T]
+            pg = torch.where(dual_active, pg_dual, pg)  # [B, T]
+        else:
+            dual_active = torch.zeros_like(mask)
+        if weights is not None:
+            pg = pg * clean(weights.detach())  # [B, T], IS weight after clipping
+
+        pg_loss = self._aggregate(pg, mask, denominator)
+        loss = pg_loss
+        stats: dict[str, float] = {"loss/pg_loss": pg_loss.item()}
+        if ref_logprobs is not None:
+            ref = clean(ref_logprobs.detach())  # [B, T]
+            log_ref_ratio = (ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+            k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], >= 0
+            kl = self._aggregate(k3, mask, denominator)
+            stats["loss/kl"] = kl.item()
+            if self.kl_coef > 0:
+                loss = loss + self.kl_coef * kl
+        if entropy is not None:
+            ent = self._aggregate(clean(entropy), mask, denominator)
+            stats["loss/entropy"] = ent.item()
+            if self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * ent
+
+        with torch.no_grad():
+            n_valid = mask.sum().clamp(min=1)
+            stats["loss/pg_clipfrac"] = (clipped.sum() / n_valid).item()
+            stats["loss/pg_clipfrac_lower"] = (dual_active.sum() / n_valid).item()
+            stats["loss/ratio_mean"] = masked_mean(ratio, mask).item()
+            stats["loss/ratio_max"] = ratio[mask].max().item() if bool(mask.any()) else 0.0
+            stats["loss/total"] = loss.item()
+        return LossOutput(loss=loss, stats=stats)

@@ -1,0 +1,58 @@
+"""Worker of the 2-process gloo test of AIS (imported by name in the spawned processes).
+
+Not a test module: ``test_distributed.py`` puts this directory on ``sys.path`` so that
+``torch.multiprocessing.spawn`` can pickle ``run`` by reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ais_lightning.correctors import AIS
+
+SCENARIOS = ("uneven", "one_rank_empty")
+AIS_KWARGS = dict(c=1.5, kappa=0.5, alpha=1.5, beta=0.7, ema_decay=0.5)
+LENGTH = 6
+
+
+def make_shard(scenario: str, rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Deterministic data of one rank at one step; the ranks hold different batch sizes."""
+    b = 4 if rank == 0 else 2
+    gen = torch.Generator().manual_seed(1000 * SCENARIOS.index(scenario) + 10 * step + rank)
+    rollout = -torch.rand(b, LENGTH, generator=gen) * 3.0 - 0.05  # [B, T]
+    scale = 1.0 if rank == 1 else 0.1  # the ranks see very different mismatch
+    train = rollout + scale * torch.randn(b, LENGTH, generator=gen)  # [B, T]
+    mask = torch.rand(b, LENGTH, generator=gen) < 0.8  # [B, T]
+    if scenario == "one_rank_empty" and rank == 1:
+        mask = torch.zeros_like(mask)
+    return {
+        "train_logprobs": train,
+        "rollout_logprobs": rollout,
+        "mask": mask,
+        "advantages": torch.randn(b, generator=gen),
+        "entropy": torch.rand(b, LENGTH, generator=gen) * 2.0,
+    }
+
+
+def run_steps(scenario: str, shards_of_step) -> list[dict]:
+    """Two AIS steps (the second goes through the EMA); returns weights and stats per step."""
+    ais = AIS(**AIS_KWARGS)
+    results = []
+    for step in range(2):
+        out = ais(**shards_of_step(step))
+        results.append({"weights": out.weights, "stats": out.stats})
+    return results
+
+
+def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        results = {
+            scenario: run_steps(scenario, lambda step, s=scenario: make_shard(s, rank, step))
+            for scenario in SCENARIOS
+        }
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

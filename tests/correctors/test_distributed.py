@@ -1,0 +1,60 @@
+"""A real 2-process gloo run: AIS on each rank uses the lambda of the global batch."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """The worker module, importable by name (spawned children inherit the parent's sys.path)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    import corrector_dist_worker
+
+    return corrector_dist_worker
+
+
+def global_batch(worker, scenario: str, step: int) -> dict[str, torch.Tensor]:
+    shards = [worker.make_shard(scenario, rank, step) for rank in range(2)]
+    return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+
+
+def test_ranks_see_different_local_lambdas(worker):
+    """Without the all-reduce the ranks would disagree, so the slow test below can fail."""
+    local = [
+        worker.run_steps("uneven", lambda step, r=rank: worker.make_shard("uneven", r, step))
+        for rank in (0, 1)
+    ]
+    assert local[0][0]["stats"]["ais/lambda"] != pytest.approx(local[1][0]["stats"]["ais/lambda"], rel=0.1)
+
+
+@pytest.mark.slow
+def test_two_process_lambda_equals_single_process_on_the_global_batch(tmp_path, worker):
+    mp.spawn(worker.run, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    per_rank = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for scenario in worker.SCENARIOS:
+        expected = worker.run_steps(scenario, lambda step, s=scenario: global_batch(worker, s, step))
+        for step in range(2):
+            want = expected[step]
+            rows = [0, 4, 6]  # rank 0 holds rows 0..3, rank 1 rows 4..5
+            for rank in range(2):
+                got = per_rank[rank][scenario][step]
+                for key in [k for k in want["stats"] if k.startswith("ais/")]:
+                    assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-6, abs=1e-9), (
+                        scenario,
+                        step,
+                        rank,
+                        key,
+                    )
+                torch.testing.assert_close(got["weights"], want["weights"][rows[rank] : rows[rank + 1]])

@@ -1,0 +1,183 @@
+"""Hand-derived values of every diagnostic on small explicit tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ais_lightning.diagnostics import (
+    ChiSquare,
+    CorrectionFraction,
+    EffectiveSampleSize,
+    MismatchDiagnostics,
+    MismatchKL,
+    PerplexityRatio,
+    RatioStatistic,
+    TokenEntropy,
+)
+
+LN2 = math.log(2.0)
+NAN = float("nan")
+
+
+def example():
+    """3 sequences x 3 tokens; the last column and the whole last row are masked (NaN there).
+
+    Valid log-ratios delta = log pi - log mu:
+      seq0: [ln2, -ln2]  -> w = [2, 0.5], sequence ratio W0 = 1
+      seq1: [0,   2 ln2] -> w = [1, 4],   sequence ratio W1 = 4
+    so the valid token ratios are w = {2, 0.5, 1, 4}, N = 4, and 2 valid sequences.
+    """
+    rollout = torch.tensor([[-1.0, -2.0, NAN], [-1.5, -3.0, NAN], [NAN, NAN, NAN]])
+    delta = torch.tensor([[LN2, -LN2, 0.0], [0.0, 2 * LN2, 0.0], [0.0, 0.0, 0.0]])
+    train = rollout + delta
+    mask = torch.tensor([[True, True, False], [True, True, False], [False, False, False]])
+    return train, rollout, mask
+
+
+def value(metric, *args):
+    metric.update(*args)
+    return float(metric.compute())
+
+
+def test_kl_k1():
+    # k1 = mean(-delta) = -(ln2 - ln2 + 0 + 2 ln2) / 4 = -ln2 / 2
+    assert value(MismatchKL("k1"), *example()) == pytest.approx(-LN2 / 2, rel=1e-6)
+
+
+def test_kl_k3():
+    # k3 = mean(w - 1 - delta) = [(2-1-ln2) + (0.5-1+ln2) + (1-1-0) + (4-1-2ln2)] / 4
+    #    = (3.5 - 2 ln2) / 4 = 0.875 - ln2 / 2 ~= 0.528426
+    assert value(MismatchKL("k3"), *example()) == pytest.approx(0.875 - LN2 / 2, rel=1e-6)
+
+
+def test_chi2_token():
+    # mean(w^2) - 1 = (4 + 0.25 + 1 + 16) / 4 - 1 = 5.3125 - 1 = 4.3125
+    assert value(ChiSquare("token"), *example()) == pytest.approx(4.3125, rel=1e-6)
+
+
+def test_chi2_sequence_ignores_fully_masked_sequence():
+    # sequence ratios W = {1, 4} (row 2 has no valid token): mean(W^2) - 1 = (1 + 16) / 2 - 1 = 7.5
+    assert value(ChiSquare("sequence"), *example()) == pytest.approx(7.5, rel=1e-6)
+
+
+def test_chi2_sequence_log_ratio_is_clamped():
+    # two tokens with delta = 15 each: log W = 30 is clamped to 20, so chi2 = e^40 - 1 (finite)
+    train = torch.tensor([[15.0, 15.0]])
+    rollout = torch.zeros(1, 2)
+    got = value(ChiSquare("sequence"), train, rollout, torch.ones(1, 2, dtype=torch.bool))
+    assert got == pytest.approx(math.exp(40.0) - 1.0, rel=1e-5)
+
+
+def test_ess():
+    # (sum w)^2 / (N sum w^2) = 7.5^2 / (4 * 21.25) = 56.25 / 85
+    assert value(EffectiveSampleSize(), *example()) == pytest.approx(56.25 / 85.0, rel=1e-6)
+
+
+def test_ess_one_dominant_token_tends_to_one_over_n():
+    # w = [e^20, e^-20, e^-20, e^-20]: ESS ~= (e^20)^2 / (4 e^40) = 1/4
+    train = torch.tensor([[20.0, -20.0, -20.0, -20.0]])
+    got = value(EffectiveSampleSize(), train, torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool))
+    assert got == pytest.approx(0.25, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("stat", "expected"),
+    [
+        ("mean", 7.5 / 4),  # (2 + 0.5 + 1 + 4) / 4
+        ("min", 0.5),
+        ("max", 4.0),
+        ("frac_above", 0.5),  # c = 1.5: w > 1.5 for {2, 4}
+        ("frac_below", 0.25),  # 1/c = 2/3: w < 2/3 for {0.5}
+    ],
+)
+def test_ratio_statistics(stat, expected):
+    assert value(RatioStatistic(stat, c=1.5), *example()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_ratio_max_uses_per_token_clamp():
+    # delta = 25 is clamped to 20 before exp
+    got = value(
+        RatioStatistic("max"), torch.tensor([[25.0]]), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
+    )
+    assert got == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+def test_perplexity_ratio_example():
+    # exp(mean delta) = exp((ln2 - ln2 + 0 + 2 ln2) / 4) = exp(ln2 / 2) = sqrt(2)
+    assert value(PerplexityRatio(), *example()) == pytest.approx(math.sqrt(2.0), rel=1e-6)
+
+
+def test_perplexity_ratio_above_one_when_trainer_finds_tokens_more_likely():
+    # log pi = -1 > log mu = -2 on every token: ppl_pi = e^1, ppl_mu = e^2, ppl_mu / ppl_pi = e
+    train = torch.full((2, 2), -1.0)
+    rollout = torch.full((2, 2), -2.0)
+    got = value(PerplexityRatio(), train, rollout, torch.ones(2, 2, dtype=torch.bool))
+    assert got == pytest.approx(math.e, rel=1e-6)
+    assert got > 1.0
+    # and the other way round
+    got_reverse = value(PerplexityRatio(), rollout, train, torch.ones(2, 2, dtype=torch.bool))
+    assert got_reverse == pytest.approx(1.0 / math.e, rel=1e-6)
+
+
+def test_token_entropy():
+    # valid entropies {1, 2, 0.5}: mean = 3.5 / 3
+    entropy = torch.tensor([[1.0, 2.0, NAN], [0.5, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert value(TokenEntropy(), entropy, mask) == pytest.approx(3.5 / 3, rel=1e-6)
+
+
+def correction_example():
+    """5 valid tokens; the corrector removed (0,1); kept tokens (0,0) and (1,0) sit at c = 2.
+
+    (0,1) was removed even though its weight is 2 (not counted as clipped); (0,3) is not valid
+    (ignored although corrected_mask is True there and its weight is 2).
+    """
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    corrected = torch.tensor([[True, False, True, True], [True, True, False, False]])
+    weights = torch.tensor([[2.0, 2.0, 1.3, 2.0], [2.0000002, 0.7, 0.0, 0.0]])
+    return mask, corrected, weights
+
+
+def test_correction_fraction_masked():
+    # 1 removed of 5 valid
+    assert value(CorrectionFraction("masked"), *correction_example()) == pytest.approx(0.2)
+
+
+def test_correction_fraction_clipped():
+    # kept & valid & |weight - 2| < 1e-6: (0,0), (1,0) -> 2 of 5 valid
+    assert value(CorrectionFraction("clipped", c=2.0), *correction_example()) == pytest.approx(0.4)
+
+
+def test_correction_fraction_masked_needs_no_weights():
+    mask, corrected, _ = correction_example()
+    assert value(CorrectionFraction("masked"), mask, corrected) == pytest.approx(0.2)
+
+
+def test_collection_names_and_values():
+    coll = MismatchDiagnostics(c=1.5)
+    coll.update(*example())
+    out = {k: float(v) for k, v in coll.compute().items()}
+    expected = {
+        "mismatch/kl_k1": -LN2 / 2,
+        "mismatch/kl_k3": 0.875 - LN2 / 2,
+        "mismatch/chi2_token": 4.3125,
+        "mismatch/chi2_seq": 7.5,
+        "mismatch/ess": 56.25 / 85.0,
+        "mismatch/ratio_mean": 1.875,
+        "mismatch/ratio_min": 0.5,
+        "mismatch/ratio_max": 4.0,
+        "mismatch/ratio_frac_above": 0.5,
+        "mismatch/ratio_frac_below": 0.25,
+        "mismatch/ppl_ratio": math.sqrt(2.0),
+    }
+    # ais_lambda with C = 1.5 (design.md section 4, defaults kappa = alpha = beta = 1, eps = 1e-6):
+    # w_C = {1.5, 0.5, 1, 1.5}; R = 4.5^2 / (4 * 5.75); D = k3 above, H = 1: s = 1 - exp(-D / (1 + eps));
+    # V = E[w_C^2] = 5.75 / 4, v = 1 / V; lambda = s * R * v ~= 0.2514
+    k3 = 0.875 - LN2 / 2
+    expected["mismatch/ais_lambda"] = (1 - math.exp(-k3 / (1 + 1e-6))) * (4.5**2 / 23.0) * (4.0 / 5.75)
+    assert set(out) == set(expected)
+    for name, want in expected.items():
+        assert out[name] == pytest.approx(want, rel=1e-6), name

@@ -1,0 +1,67 @@
+"""Time fp32 vs fbgemm int8 vs emulated FP8/FP4 linears at a few shapes; print a markdown table.
+
+Usage: .venv/bin/python tools/bench_quant.py [--repeats 20] [--threads N]
+Each cell is the best (minimum) wall time of ``--repeats`` forward calls under ``torch.inference_mode``
+(the minimum is the least disturbed by other processes on a shared machine);
+ratios are to the fp32 ``nn.Linear`` of the same shape (M tokens x K in x N out). Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from ais_lightning.quant import QuantLinear
+
+SHAPES = [(128, 1024, 1024), (32, 1024, 4096), (512, 512, 512)]
+VARIANTS = [
+    ("fp32", None, None),
+    ("int8 fbgemm", "int8", "int8"),
+    ("int8 emulate", "int8", "emulate"),
+    ("fp8 emulate", "fp8", "emulate"),
+    ("nvfp4 emulate", "nvfp4", "emulate"),
+]
+
+
+def _best_ms(fn, x, repeats: int) -> float:
+    fn(x)  # warm-up (and cache fills)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t)
+    return 1e3 * min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"quantized engine {torch.backends.quantized.engine}, repeats {args.repeats}\n"
+    )
+    print("| M x K x N | " + " | ".join(f"{name} ms (x fp32)" for name, _, _ in VARIANTS) + " |")
+    print("|---" * (len(VARIANTS) + 1) + "|")
+    for m, k, n in SHAPES:
+        torch.manual_seed(0)
+        linear = nn.Linear(k, n)
+        x = torch.randn(m, k)
+        cells, base = [], None
+        with torch.inference_mode():
+            for _, recipe, backend in VARIANTS:
+                layer = linear if recipe is None else QuantLinear.from_linear(linear, recipe, backend=backend)
+                ms = _best_ms(layer, x, args.repeats)
+                base = base or ms
+                cells.append(f"{ms:.2f} ({ms / base:.2f})")
+        print(f"| {m}x{k}x{n} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

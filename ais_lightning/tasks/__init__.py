@@ -1,1 +1,41 @@
-"""tasks"""
+"""Tasks for RL of small LLMs: prompt generators, rule-based rewards and a resumable DataModule.
+
+Built-in tasks (registered on import): ``arithmetic``, ``countdown``, ``sudoku4``, ``gsm8k``.
+``get_task(name, **options)`` builds one; see :mod:`ais_lightning.tasks.base` for adding your own.
+"""
+
+from ais_lightning.tasks.arithmetic import Arithmetic
+from ais_lightning.tasks.base import (
+    ALLOWED_CHARS,
+    TASKS,
+    Task,
+    TaskSample,
+    first_line,
+    get_task,
+    register_task,
+    safe_rewards,
+    to_ascii,
+)
+from ais_lightning.tasks.countdown import Countdown
+from ais_lightning.tasks.datamodule import PromptDataModule, PromptStream, collate_samples
+from ais_lightning.tasks.gsm8k import GSM8K
+from ais_lightning.tasks.sudoku4 import Sudoku4
+
+__all__ = [
+    "ALLOWED_CHARS",
+    "TASKS",
+    "Arithmetic",
+    "Countdown",
+    "GSM8K",
+    "PromptDataModule",
+    "PromptStream",
+    "Sudoku4",
+    "Task",
+    "TaskSample",
+    "collate_samples",
+    "first_line",
+    "get_task",
+    "register_task",
+    "safe_rewards",
+    "to_ascii",
+]

@@ -1,0 +1,273 @@
+"""Task base class, the task registry, safe reward evaluation and shared parsing helpers.
+
+A task turns a ``random.Random`` into a :class:`TaskSample` (prompt, reference solution, fields)
+and scores completions with a reward function that has TRL's signature,
+``reward(prompts, completions, **fields) -> list[float]``, where every field is a list aligned
+with ``prompts``.
+
+Adding a task
+-------------
+Write one small module with a dataclass subclass of :class:`Task` and decorate it::
+
+    from dataclasses import dataclass
+    import random
+
+    from ais_lightning.tasks import Task, TaskSample, register_task
+
+
+    @register_task("reverse")
+    @dataclass
+    class Reverse(Task):
+        length: int = 5
+        '''Characters per word.'''
+
+        def sample(self, rng: random.Random) -> TaskSample:
+            word = "".join(rng.choice("abcdef") for _ in range(self.length))
+            return TaskSample(prompt=word + ">", solution=word[::-1], fields={"answer": word[::-1]})
+
+        def reward(self, prompts, completions, answer=None, **fields):
+            return [float(first_line(c) == a) for c, a in zip(completions, answer)]
+
+Importing that module registers it; ``get_task("reverse", length=3)`` then builds it. Prompts and
+solutions must use only printable ASCII (32..126) and ``"\\n"``: the built-in tokenizer is
+character-level over exactly those characters (:func:`to_ascii` cleans free text).
+"""
+
+from __future__ import annotations
+
+import abc
+import ast
+import logging
+import math
+import random
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ALLOWED_CHARS = frozenset(chr(c) for c in range(32, 127)) | {"\n"}
+"""Characters the built-in character-level tokenizer knows: printable ASCII 32..126 and newline."""
+
+
+@dataclass
+class TaskSample:
+    """One problem of a task."""
+
+    prompt: str
+    """What the policy is conditioned on."""
+    solution: str
+    """A reference completion (the SFT warm-start trains on it); RL scores completions with the reward."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Extra per-sample data the reward needs, e.g. ``{"answer": 46}``; becomes batch columns."""
+
+
+class Task(abc.ABC):
+    """A prompt generator with a reward function (subclasses are dataclasses of their options)."""
+
+    name: str = ""
+    """Registry name, set by :func:`register_task`."""
+
+    @abc.abstractmethod
+    def sample(self, rng: random.Random) -> TaskSample:
+        """Draw one problem; deterministic given the state of ``rng``."""
+
+    @abc.abstractmethod
+    def reward(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        """Score ``completions`` (fields are lists aligned with ``prompts``, TRL's reward signature)."""
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        return self.reward(prompts, completions, **fields)
+
+
+TASKS: dict[str, type[Task]] = {}
+"""Registered task classes by name."""
+
+
+def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    """Class decorator adding a :class:`Task` subclass to :data:`TASKS` under ``name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_task: name must be a non-empty string, got {name!r}")
+
+    def decorator(cls: type[Task]) -> type[Task]:
+        if not (isinstance(cls, type) and issubclass(cls, Task)):
+            raise ValueError(f"register_task({name!r}) expects a Task subclass, got {cls!r}")
+        previous = TASKS.get(name)
+        if previous is not None and previous.__qualname__ != cls.__qualname__:
+            raise ValueError(f"task name {name!r} is already registered to {previous.__qualname__}")
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Build the registered task ``name`` with its options ``kwargs``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](**kwargs)
+
+
+def safe_rewards(
+    reward_fn: Callable[..., Sequence[Any]],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    fields: Mapping[str, Sequence[Any]] | None = None,
+) -> tuple[list[float], int]:
+    """Call ``reward_fn(prompts, completions, **fields)`` without letting it crash training.
+
+    Returns ``(rewards, n_failed)``. If the function raises or returns something that is not a
+    sequence of length ``len(prompts)``, every reward is 0 and ``n_failed == len(prompts)``;
+    an entry that is not a finite number (None, NaN, inf, a string) becomes 0 and is counted.
+    Mismatched *inputs* (``completions`` or a field not aligned with ``prompts``) are the
+    caller's bug and raise ValueError.
+    """
+    n = len(prompts)
+    fields = dict(fields or {})
+    if len(completions) != n:
+        raise ValueError(f"completions has {len(completions)} entries, expected {n} (one per prompt)")
+    for key, values in fields.items():
+        if len(values) != n:
+            raise ValueError(f"field {key!r} has {len(values)} entries, expected {n} (one per prompt)")
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    try:
+        result = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
+        values = list(result)
+    except Exception as err:  # any failure of user code is scored 0
+        log.warning(
+            "reward function %s raised %s: %s; scoring %d samples 0", name, type(err).__name__, err, n
+        )
+        return [0.0] * n, n
+    if len(values) != n:
+        log.warning(
+            "reward function %s returned %d values for %d samples; scoring all 0", name, len(values), n
+        )
+        return [0.0] * n, n
+    rewards: list[float] = []
+    n_failed = 0
+    for value in values:
+        try:
+            reward = float(value)
+        except (TypeError, ValueError):
+            reward = math.nan
+        if not math.isfinite(reward):
+            reward, n_failed = 0.0, n_failed + 1
+        rewards.append(reward)
+    if n_failed:
+        log.warning("reward function %s gave %d non-finite or non-numeric values; scored 0", name, n_failed)
+    return rewards, n_failed
+
+
+# ----------------------------------------------------------------------------------------- text helpers
+
+
+def first_line(completion: str) -> str:
+    """The completion up to its first newline, stripped of surrounding whitespace."""
+    return completion.split("\n", 1)[0].strip()
+
+
+def to_ascii(text: str) -> str:
+    """Map free text onto the tokenizer's alphabet (printable ASCII and newline).
+
+    Unicode is NFKD-normalized (so ``"é"`` becomes ``"e"``, ``"½"`` becomes ``"1/2"``), typographic
+    quotes and dashes become their ASCII forms, tabs/carriage returns become spaces/newlines and
+    whatever is left outside the alphabet is dropped.
+    """
+    replacements = {"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-"}
+    replacements |= {"\u2212": "-", "\u00d7": "*", "\u00f7": "/", "\u2044": "/", "\t": " ", "\r\n": "\n"}
+    replacements |= {"\r": "\n", "\u00a0": " ", "\u2026": "..."}
+    for src, dst in replacements.items():
+        text = text.replace(src, dst)
+    text = unicodedata.normalize("NFKD", text)
+    for src, dst in replacements.items():  # NFKD can produce some of them (e.g. the fraction slash)
+        text = text.replace(src, dst)
+    return "".join(ch for ch in text if ch in ALLOWED_CHARS)
+
+
+def check_aligned(prompts: Sequence[str], completions: Sequence[str], **fields: Sequence[Any] | None) -> None:
+    """Raise ValueError unless completions and every non-None field have one entry per prompt."""
+    if len(completions) != len(prompts):
+        raise ValueError(
+            f"completions has {len(completions)} entries, expected {len(prompts)} (one per prompt)"
+        )
+    for key, values in fields.items():
+        if values is not None and len(values) != len(prompts):
+            raise ValueError(
+                f"field {key!r} has {len(values)} entries, expected {len(prompts)} (one per prompt)"
+            )
+
+
+# ------------------------------------------------------------------------ safe arithmetic expressions
+
+MAX_EXPRESSION_CHARS = 200
+"""Longer expressions are rejected before parsing (bounds parse depth and integer sizes)."""
+
+_EXPRESSION_CHARS = frozenset("0123456789+-*/() ")
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def parse_expression(text: str) -> ast.expr:
+    """Parse ``text`` as an arithmetic expression of non-negative integers, ``+ - * /`` and parentheses.
+
+    Nothing is evaluated here: the string is checked against a character whitelist, parsed with
+    :func:`ast.parse` in ``eval`` mode, and every node must be a binary operation of those four
+    operators or a non-negative integer literal (no names, calls, unary minus, floats or powers).
+    Raises ValueError otherwise.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"expression must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError("expression is empty")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression has {len(text)} characters, at most {MAX_EXPRESSION_CHARS} allowed")
+    bad = set(text) - _EXPRESSION_CHARS
+    if bad:
+        raise ValueError(f"expression contains disallowed characters {''.join(sorted(bad))!r}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, RecursionError, MemoryError) as err:
+        raise ValueError(f"expression {text!r} does not parse: {err}") from None
+    for node in ast.walk(tree.body):
+        if isinstance(node, ast.BinOp):
+            if type(node.op) not in _BINOPS:
+                raise ValueError(f"operator {type(node.op).__name__} is not allowed (only + - * /)")
+        elif isinstance(node, ast.Constant):
+            if type(node.value) is not int:
+                raise ValueError(f"only integer literals are allowed, got {node.value!r}")
+        elif not isinstance(node, ast.operator):
+            raise ValueError(f"{type(node).__name__} is not allowed in an arithmetic expression")
+    return tree.body
+
+
+def expression_numbers(tree: ast.expr) -> list[int]:
+    """The integer literals of a parsed expression, left to right."""
+    if isinstance(tree, ast.BinOp):
+        return expression_numbers(tree.left) + expression_numbers(tree.right)
+    return [tree.value]  # type: ignore[attr-defined]
+
+
+def evaluate_expression(tree: ast.expr) -> Fraction:
+    """Exact value of a tree from :func:`parse_expression`; ZeroDivisionError on division by zero."""
+    if isinstance(tree, ast.BinOp):
+        left, right = evaluate_expression(tree.left), evaluate_expression(tree.right)
+        op = _BINOPS[type(tree.op)]
+        if op == "+":
+            return left + right
+        if op == "-":
+            return left - right
+        if op == "*":
+            return left * right
+        return left / right
+    return Fraction(tree.value)  # type: ignore[attr-defined]
+
+
+def parse_int(text: str) -> int | None:
+    """``text`` as an integer (optional sign, digits only), else None."""
+    text = text.strip()
+    body = text[1:] if text[:1] in "+-" else text
+    if not body.isascii() or not body.isdigit() or len(body) > 100:
+        return None
+    return int(text)

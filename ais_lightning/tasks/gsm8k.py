@@ -1,0 +1,160 @@
+"""GSM8K-format math word problems from a LOCAL file (never the network).
+
+The file is jsonl (or parquet) with ``"question"`` and ``"answer"`` fields, as in GSM8K (Cobbe et
+al. 2021, arXiv 2110.14168): the answer is worked reasoning ending in ``"#### <number>"``. The gold
+answer is the text after the last ``"####"``; the reference solution is the answer with GSM8K's
+calculator annotations ``<<48/2=24>>`` removed. Text is mapped to printable ASCII for the built-in
+tokenizer.
+
+The reward accepts the final answer as ``\\boxed{...}``, ``<answer>...</answer>`` or ``#### ...``
+(checked in that order, last occurrence of the first format present); numbers are compared
+exactly after removing commas, ``$`` and spaces. 1.0 on a match, else 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from ais_lightning.tasks.base import Task, TaskSample, check_aligned, register_task, to_ascii
+
+_CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
+_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_HASHES_RE = re.compile(r"####([^\n]*)")
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def normalize_answer(text: str) -> Fraction | str:
+    """An answer as an exact number when it is one (commas, ``$``, spaces and a final ``.`` removed).
+
+    If the cleaned text is not a number but contains some, the last number is used (``"72 apples"``
+    -> 72); otherwise the cleaned string is returned for exact comparison.
+    """
+    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").strip().rstrip(".")
+    numbers = [cleaned] if _NUMBER_RE.fullmatch(cleaned) else _NUMBER_RE.findall(cleaned)
+    if not numbers:
+        return cleaned
+    try:
+        return Fraction(numbers[-1])
+    except (ValueError, ZeroDivisionError):
+        return cleaned
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer of a completion: last ``\\boxed{}``, else last ``<answer>``, else last ``####``."""
+    for pattern in (_BOXED_RE, _ANSWER_RE, _HASHES_RE):
+        found = pattern.findall(completion)
+        if found:
+            return found[-1].strip()
+    return None
+
+
+def gold_answer(answer: str) -> str:
+    """The text after the last ``"####"`` of a GSM8K answer, stripped; ValueError if there is none."""
+    if "####" not in answer:
+        raise ValueError(f"GSM8K answer has no '####' final answer: {answer[-80:]!r}")
+    return answer.rsplit("####", 1)[1].strip()
+
+
+def load_rows(
+    path: str | Path, use_datasets: bool | None = None, cache_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """Rows of a local ``.jsonl``/``.json`` or ``.parquet`` file.
+
+    Through ``datasets.load_dataset("json"|"parquet", data_files=path)`` when ``use_datasets`` is
+    True, or None and ``datasets`` is installed; otherwise json lines are read directly (parquet then
+    needs ``pyarrow``). A local path only: nothing is downloaded. ``cache_dir`` is passed to
+    ``load_dataset`` (None: the ``datasets`` default cache).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"gsm8k path {str(path)!r} is not a local file")
+    kind = "parquet" if path.suffix == ".parquet" else "json"
+    if use_datasets is None:
+        use_datasets = importlib.util.find_spec("datasets") is not None
+    if use_datasets:
+        import datasets
+
+        return list(datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=cache_dir))
+    if kind == "parquet":
+        if importlib.util.find_spec("pyarrow") is None:
+            raise ValueError("reading parquet needs `datasets` or `pyarrow`; convert the file to jsonl")
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@register_task("gsm8k")
+@dataclass
+class GSM8K(Task):
+    """Word problems from a local GSM8K-format file; reward 1 if the final answer matches the gold number."""
+
+    path: str = ""
+    """Local ``.jsonl``/``.json``/``.parquet`` file with ``question`` and ``answer`` fields."""
+    prompt_template: str = "{question}\n"
+    """Prompt built from the question (``str.format`` with ``question=``)."""
+    strip_calculator: bool = True
+    """Remove GSM8K's ``<<a*b=c>>`` calculator annotations from the reference solution."""
+    use_datasets: bool | None = None
+    """Read through ``datasets`` (True), plain json lines (False) or ``datasets`` if installed (None)."""
+    cache_dir: str | None = None
+    """Cache directory for ``datasets`` (None: its default, ``~/.cache/huggingface/datasets``)."""
+    rows: list[dict[str, str]] = field(init=False, repr=False)
+    """Loaded ``{"prompt", "solution", "answer"}`` rows."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError(
+                "gsm8k needs path= a local jsonl/parquet file with 'question' and 'answer' fields"
+            )
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"prompt_template must contain '{{question}}', got {self.prompt_template!r}")
+        self.rows = []
+        for i, row in enumerate(load_rows(self.path, self.use_datasets, self.cache_dir)):
+            for key in ("question", "answer"):
+                if not isinstance(row.get(key), str):
+                    raise ValueError(f"{self.path} row {i} has no string field {key!r}")
+            answer = row["answer"]
+            gold = to_ascii(gold_answer(answer))
+            solution = _CALCULATOR_RE.sub("", answer) if self.strip_calculator else answer
+            prompt = to_ascii(self.prompt_template.format(question=row["question"].strip()))
+            self.rows.append({"prompt": prompt, "solution": to_ascii(solution.strip()), "answer": gold})
+        if not self.rows:
+            raise ValueError(f"{self.path} has no rows")
+        self._gold_by_prompt = {row["prompt"]: row["answer"] for row in self.rows}
+
+    def sample(self, rng: random.Random) -> TaskSample:
+        row = self.rows[rng.randrange(len(self.rows))]
+        return TaskSample(prompt=row["prompt"], solution=row["solution"], fields={"answer": row["answer"]})
+
+    def reward(
+        self, prompts: list[str], completions: list[str], answer: list[str] | None = None, **fields: Any
+    ) -> list[float]:
+        """1.0 if the completion's final answer equals the gold answer, else 0.0.
+
+        ``answer`` defaults to looking each prompt up in the loaded file (ValueError if absent).
+        """
+        check_aligned(prompts, completions, answer=answer)
+        rewards = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            if answer is not None:
+                gold = answer[i]
+            elif prompt in self._gold_by_prompt:
+                gold = self._gold_by_prompt[prompt]
+            else:
+                raise ValueError(f"prompt {prompt[:60]!r} is not in {self.path}; pass answer=")
+            predicted = extract_answer(completion)
+            match = predicted is not None and normalize_answer(predicted) == normalize_answer(str(gold))
+            rewards.append(1.0 if match else 0.0)
+        return rewards

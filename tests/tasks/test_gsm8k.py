@@ -1,0 +1,93 @@
+import json
+import random
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from ais_lightning.tasks import get_task
+from ais_lightning.tasks.gsm8k import extract_answer, normalize_answer
+
+SAMPLE = Path(__file__).with_name("gsm8k_sample.jsonl")
+
+
+@pytest.fixture(scope="module")
+def task():
+    return get_task("gsm8k", path=str(SAMPLE), use_datasets=False)
+
+
+def test_loads_sample_file(task):
+    assert len(task.rows) == 10
+    first = task.rows[0]
+    assert first["prompt"] == "Tom has 3 apples and buys 4 more. How many apples does he have?\n"
+    assert first["solution"] == "Tom has 3+4=7 apples.\n#### 7"  # calculator annotation removed
+    assert first["answer"] == "7"
+    assert task.rows[3]["answer"] == "1,500"
+    assert task.rows[7]["prompt"].startswith("Cafe Jose sells")  # accents mapped to ASCII
+
+
+def test_datasets_backend_matches_plain_json(task, tmp_path):
+    pytest.importorskip("datasets")
+    loaded = get_task("gsm8k", path=str(SAMPLE), use_datasets=True, cache_dir=str(tmp_path))
+    assert loaded.rows == task.rows
+
+
+def test_parquet_file(task, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    rows = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    path = tmp_path / "sample.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert get_task("gsm8k", path=str(path), use_datasets=False).rows == task.rows
+
+
+def test_reward_formats_exact_values(task):
+    completions = [
+        "so 1200+300 = 1500.\n#### 1500",
+        "The answer is \\boxed{1,500}.",
+        "<answer>$1500</answer>",
+        "<answer>1500 cars</answer>",
+        "#### 1,500.",
+        "#### 1499",
+        "\\boxed{1400} ... no wait <answer>1500</answer>",  # boxed wins over <answer>
+        "1500",  # no recognised final-answer format
+        "",
+    ]
+    n = len(completions)
+    prompt = task.rows[3]["prompt"]
+    assert task.reward([prompt] * n, completions, answer=["1,500"] * n) == [1, 1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_reward_without_fields_looks_up_the_prompt(task):
+    prompts = [task.rows[5]["prompt"], task.rows[8]["prompt"]]
+    assert task.reward(prompts, ["#### 2.50", "\\boxed{-3}"]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="not in"):
+        task.reward(["unknown question\n"], ["#### 1"])
+
+
+def test_sample_is_a_row_and_its_solution_scores_one(task):
+    rng = random.Random(0)
+    for _ in range(20):
+        s = task.sample(rng)
+        assert {"prompt": s.prompt, "solution": s.solution, "answer": s.fields["answer"]} in task.rows
+        assert task.reward([s.prompt], [s.solution], answer=[s.fields["answer"]]) == [1.0]
+
+
+def test_helpers():
+    assert normalize_answer(" $1,234.50 ") == Fraction(2469, 2)
+    assert normalize_answer("3/4") == Fraction(3, 4) and normalize_answer("abc") == "abc"
+    assert extract_answer("a #### 5\n#### 6") == "6" and extract_answer("none") is None
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="path"):
+        get_task("gsm8k")
+    with pytest.raises(ValueError, match="not a local file"):
+        get_task("gsm8k", path=str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "no final answer"}\n')
+    with pytest.raises(ValueError, match="####"):
+        get_task("gsm8k", path=str(bad), use_datasets=False)
+    bad.write_text('{"question": "q"}\n')
+    with pytest.raises(ValueError, match="answer"):
+        get_task("gsm8k", path=str(bad), use_datasets=False)

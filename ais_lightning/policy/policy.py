@@ -1,0 +1,377 @@
+"""Policy: a thin ``nn.Module`` around a Hugging Face causal LM for RL training.
+
+It computes the log-prob (and optionally the entropy) of each response token under the
+temperature-processed policy, without ever materializing the full ``[B, T, V]`` logits, and exports
+the full (unsharded) weights and buffers for rollout-engine weight sync.
+
+Sequence layout (shared with every rollout engine): the prompt is left-padded, the response
+right-padded, the two are concatenated, and positions count real tokens only
+(``position_ids = cumsum(attention_mask) - 1``), so a padded row reproduces the unpadded row.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ais_lightning.ops import entropy_from_logits, logprobs_from_logits
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+"""Name fragments that activation-checkpoint / FSDP1 / torch.compile wrappers add to buffer names."""
+_LAYER_LIST_NAMES = ("layers", "h", "blocks")
+"""Attribute names under which Hugging Face decoder bodies keep their ``nn.ModuleList`` of blocks."""
+_FSDP_FORWARD_METHOD = "_ais_policy_response_logprobs"
+"""Attribute under which the log-prob computation is registered as an FSDP2 forward method of the model."""
+
+
+@dataclass
+class ResponseLogprobs:
+    """Per-token outputs of :meth:`Policy.response_logprobs`."""
+
+    logprobs: torch.Tensor
+    """``[B, T]`` float32 log-prob of each response token under ``softmax(logits / temperature)``; 0 where masked."""
+    entropy: torch.Tensor | None
+    """``[B, T]`` float32 entropy (nats) of the temperature-processed next-token distribution; 0 where masked.
+    None unless ``compute_entropy=True``."""
+
+
+def _check_ids_and_mask(ids: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"{name}_ids must be a [B, L] long tensor, got {getattr(ids, 'dtype', type(ids))}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"{name}_mask must be a bool tensor (True = real token)")
+    if mask.shape != ids.shape:
+        raise ValueError(
+            f"{name}_mask has shape {tuple(mask.shape)} but {name}_ids has shape {tuple(ids.shape)}"
+        )
+
+
+def build_sequences(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate left-padded prompts and right-padded responses into model inputs.
+
+    prompt_ids/prompt_mask: ``[B, P]`` (True on real tokens, padding on the left, at least one real token);
+    response_ids/response_mask: ``[B, T]`` (True on valid response tokens).
+    Returns ``input_ids`` ``[B, P+T]`` long, ``attention_mask`` ``[B, P+T]`` long (1 = attend, the Hugging Face
+    convention) and ``position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)`` ``[B, P+T]``.
+    """
+    _check_ids_and_mask(prompt_ids, prompt_mask, "prompt")
+    _check_ids_and_mask(response_ids, response_mask, "response")
+    if prompt_ids.shape[0] != response_ids.shape[0]:
+        raise ValueError(
+            f"prompt_ids has batch size {prompt_ids.shape[0]} but response_ids has {response_ids.shape[0]}"
+        )
+    if prompt_ids.shape[1] == 0 or not bool(prompt_mask[:, -1].all()):
+        raise ValueError(
+            "prompt_mask must be left-padded with a real last token in every row (prompt_mask[:, -1])"
+        )
+    if not bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()):
+        raise ValueError("prompt_mask must be left-padded: False* then True+ in every row")
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+T]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # [B, P+T]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
+    return input_ids, attention_mask, position_ids
+
+
+def _head_logprobs(
+    lm_head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, compute_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """lm_head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] -> ([n], [n])."""
+    logits = lm_head(hidden)  # [n, V]
+    logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
+    entropy = entropy_from_logits(logits, temperature) if compute_entropy else torch.zeros_like(logprobs)
+    return logprobs, entropy
+
+
+def chunked_response_logprobs(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> ResponseLogprobs:
+    """Log-probs (and entropies) of response tokens from the decoder's final hidden states.
+
+    ``hidden`` ``[B, T, H]`` is the hidden state that *predicts* each response token (position ``P-1+t``).
+    Only valid tokens are projected, ``chunk_size`` of them at a time; under autograd each chunk is
+    activation-checkpointed, so at most one ``[chunk_size, V]`` logits block is alive in forward *and*
+    backward (the memory bound of chunked cross-entropy, e.g. Liger-Kernel's fused linear CE).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    flat_hidden = hidden[response_mask]  # [N, H]
+    flat_tokens = response_ids[response_mask]  # [N]
+    use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
+    logprob_chunks, entropy_chunks = [], []
+    for h, tok in zip(flat_hidden.split(chunk_size), flat_tokens.split(chunk_size)):
+        if use_checkpoint:
+            lp, ent = checkpoint(
+                _head_logprobs, lm_head, h, tok, temperature, compute_entropy, use_reentrant=False
+            )
+        else:
+            lp, ent = _head_logprobs(lm_head, h, tok, temperature, compute_entropy)
+        logprob_chunks.append(lp)
+        entropy_chunks.append(ent)
+    zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
+    logprobs = zeros.masked_scatter(response_mask, torch.cat(logprob_chunks))  # [B, T]
+    entropy = zeros.masked_scatter(response_mask, torch.cat(entropy_chunks)) if compute_entropy else None
+    return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _cpu_snapshot(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.clone() if t.device.type == "cpu" else t.cpu()
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _decoder_body(model: nn.Module) -> nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    if decoder is None:
+        raise ValueError(f"cannot find the decoder body of {type(model).__name__}")
+    return decoder
+
+
+def _decoder_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    compute_entropy: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
+    P = input_ids.shape[1] - response_ids.shape[1]
+    out = _decoder_body(model)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, P+T, H]
+    result = chunked_response_logprobs(
+        model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
+        temperature, compute_entropy, chunk_size,
+    )  # fmt: skip
+    return result.logprobs, result.entropy
+
+
+class Policy(nn.Module):
+    """A Hugging Face causal LM with the few methods RL training needs.
+
+    Under FSDP2, ``fully_shard`` each decoder layer, then ``policy.model`` and/or the Policy (or its parent).
+    The decoder body and the chunked head are called directly rather than through ``model.forward``; when
+    ``policy.model`` is an FSDP module that computation is registered as one of its forward methods
+    (``register_fsdp_forward_method``), so embeddings, final norm and lm_head are gathered for it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+            raise ValueError(
+                f"model must be a Hugging Face causal LM with an output embedding, got {type(model)}"
+            )
+        self.model = model
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str | None = None,
+        **model_kwargs,
+    ) -> Policy:
+        """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
+        transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
+        ``"eager"``."""
+        from transformers import AutoModelForCausalLM
+
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ValueError(f"path must be a local model directory, got {path!r}")
+        if attn_implementation is not None:
+            model_kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
+        return cls(model)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.model.config.pad_token_id
+
+    @property
+    def eos_token_id(self) -> int | list[int] | None:
+        return self.model.config.eos_token_id
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The transformer blocks of the decoder body (what FSDP2 shards one by one)."""
+        body = _decoder_body(self.model)
+        for name in _LAYER_LIST_NAMES:
+            layers = getattr(body, name, None)
+            if isinstance(layers, nn.ModuleList):
+                return list(layers)
+        raise ValueError(
+            f"cannot find the decoder layers of {type(body).__name__} (looked for {_LAYER_LIST_NAMES})"
+        )
+
+    def fresh_model(self) -> nn.Module:
+        """A new, unsharded CPU model of the same config, dtype and attention implementation.
+
+        Its weights are freshly initialized: load the real ones with :func:`load_named_tensors` (or an
+        engine's ``sync_weights``) from :meth:`full_state_dict`. Works while ``self.model`` is sharded.
+        """
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.model.config)
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=config._attn_implementation
+        )
+
+    def _logprobs_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+        """The decoder + chunked-head computation, registered as an FSDP2 forward method of ``self.model``
+        when that is sharded, so its parameters are gathered and its backward hooks attach to the outputs."""
+        fn = getattr(self.model, _FSDP_FORWARD_METHOD, None)
+        if fn is not None:
+            return fn
+        fn = functools.partial(_decoder_logprobs, self.model)
+        if _is_fsdp_module(self.model):
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            setattr(self.model, _FSDP_FORWARD_METHOD, fn)
+            register_fsdp_forward_method(self.model, _FSDP_FORWARD_METHOD)
+            fn = getattr(self.model, _FSDP_FORWARD_METHOD)
+        return fn
+
+    def forward(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        chunk_size: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logprobs, entropy)`` as plain tensors (so FSDP/DDP hooks see them); see :meth:`response_logprobs`."""
+        input_ids, attention_mask, position_ids = build_sequences(
+            prompt_ids, prompt_mask, response_ids, response_mask
+        )
+        return self._logprobs_fn()(
+            input_ids, attention_mask, position_ids, response_ids, response_mask,
+            temperature, compute_entropy, chunk_size,
+        )  # fmt: skip
+
+    def response_logprobs(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        chunk_size: int = 1024,
+    ) -> ResponseLogprobs:
+        """Log-prob of each response token under ``softmax(logits / temperature)``.
+
+        prompt_ids/prompt_mask ``[B, P]`` left-padded; response_ids/response_mask ``[B, T]`` right-padded.
+        The decoder body runs once; ``lm_head`` + log-softmax run on ``chunk_size`` valid tokens at a time,
+        so the ``[B, T, V]`` logits never fully exist. Gradients flow to the model (use ``torch.no_grad()``
+        for pi_old).
+        """
+        logprobs, entropy = self(
+            prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size
+        )
+        return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``.
+
+        Includes everything ``model.state_dict()`` holds (``lm_head.weight`` beside a tied
+        ``model.embed_tokens.weight``) plus the non-persistent buffers it leaves out (rotary ``inv_freq``,
+        verl #5688), so an engine's copy of the model can be made identical with :func:`load_named_tensors`.
+        Sharded (FSDP2 DTensor) models are gathered with
+        ``torch.distributed.checkpoint.state_dict.get_model_state_dict``; it is a collective, so call it
+        on every rank. With ``rank0_only`` (``cpu_offload=True`` there: lower peak device memory) only rank
+        0 gets the tensors and other ranks get ``[]``; by default every rank gets them.
+        The tensors are snapshots: they never alias the live parameters.
+        """
+        model = self.model
+        if any(_is_dtensor(t) for t in model.parameters()):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+            state = get_model_state_dict(model, options=options)
+            if rank0_only and not state:
+                return []
+        else:
+            state = model.state_dict()
+        named = [(name, _cpu_snapshot(t)) for name, t in state.items()]
+        seen = set(state)
+        for name, buf in model.named_buffers():
+            name = _clean_name(name)
+            if name not in seen:
+                named.append((name, _cpu_snapshot(buf)))
+                seen.add(name)
+        return named
+
+
+@torch.no_grad()
+def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy ``(name, tensor)`` pairs (e.g. from :meth:`Policy.full_state_dict`) into ``model`` in place.
+
+    Covers parameters, persistent and non-persistent buffers (which ``load_state_dict`` skips).
+    Raises ValueError on an unknown name or a shape mismatch; values are cast to the target's dtype.
+    """
+    targets = {_clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    targets.update({_clean_name(n): b for n, b in model.named_buffers(remove_duplicate=False)})
+    for name, value in named_tensors:
+        if name not in targets:
+            raise ValueError(f"named_tensors has {name!r}, which is not a parameter or buffer of the model")
+        target = targets[name]
+        if target.shape != value.shape:
+            raise ValueError(
+                f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}"
+            )
+        target.copy_(value.to(device=target.device, dtype=target.dtype))

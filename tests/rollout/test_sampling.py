@@ -1,0 +1,108 @@
+"""Sampling functions: distributions, truncation, greedy, seeds (hand-derived numbers)."""
+
+import math
+
+import pytest
+import torch
+
+from ais_lightning.rollout.sampling import (
+    make_generator,
+    sample_next,
+    sampling_logprobs,
+    truncation_mask,
+)
+
+# Chi-square critical value for df = 5 at alpha = 1e-3 (standard table): 20.515.
+CHI2_DF5_P001 = 20.515
+
+
+def _softmax_by_hand(logits: list[float], temperature: float) -> list[float]:
+    z = [math.exp(x / temperature) for x in logits]
+    s = sum(z)
+    return [v / s for v in z]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_samples_follow_softmax_over_temperature(temperature):
+    logits = [1.5, 0.5, 0.0, -0.5, 1.0, -1.0]
+    expected = _softmax_by_hand(logits, temperature)
+    n = 40_000
+    batch = torch.tensor(logits).expand(n, -1)  # [N, 6]: one draw per row
+    tokens, _ = sample_next(batch, temperature, generator=make_generator(1234))
+    counts = torch.bincount(tokens, minlength=6).double()
+    chi2 = sum((float(c) - n * p) ** 2 / (n * p) for c, p in zip(counts, expected))
+    assert chi2 < CHI2_DF5_P001
+
+
+def test_greedy_is_argmax_with_t1_logprobs():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 1.0, 2.5]])
+    tokens, lp = sample_next(logits, 0.0)
+    assert tokens.tolist() == [1, 0]
+    p = _softmax_by_hand([0.1, 2.0, -1.0], 1.0)[1]
+    q = _softmax_by_hand([3.0, 1.0, 2.5], 1.0)[0]
+    assert torch.allclose(lp, torch.tensor([math.log(p), math.log(q)]), atol=1e-6)
+
+
+def test_untruncated_logprob_is_tempered_softmax():
+    logits = torch.tensor([[1.0, 2.0, 0.0, -1.0]])
+    tok, lp = sample_next(logits, 0.5, generator=make_generator(0))
+    expected = math.log(_softmax_by_hand([1.0, 2.0, 0.0, -1.0], 0.5)[int(tok)])
+    assert lp.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_top_k_keeps_k_largest_and_renormalizes():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    keep = truncation_mask(logits, top_k=2)
+    assert keep.tolist() == [[True, False, True, False]]
+    lp = sampling_logprobs(logits, 1.0, top_k=2)
+    p0 = 1 / (1 + math.exp(-1.0))  # e^3 / (e^3 + e^2)
+    assert lp[0, 0].item() == pytest.approx(math.log(p0), abs=1e-6)
+    assert lp[0, 2].item() == pytest.approx(math.log(1 - p0), abs=1e-6)
+    assert torch.isinf(lp[0, 1]) and torch.isinf(lp[0, 3])
+    tokens, tlp = sample_next(logits.expand(2000, -1), 1.0, top_k=2, generator=make_generator(3))
+    assert set(tokens.tolist()) == {0, 2}
+    assert torch.allclose(tlp, lp[0, tokens], atol=1e-6)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = [0.05, 0.5, 0.15, 0.3]
+    logits = torch.tensor([probs]).log()
+    # sorted: 0.5, 0.3, 0.15, 0.05; mass before each: 0, 0.5, 0.8, 0.95
+    assert truncation_mask(logits, top_p=0.7).tolist() == [[False, True, False, True]]
+    assert truncation_mask(logits, top_p=0.85).tolist() == [[False, True, True, True]]
+    assert truncation_mask(logits, top_p=0.3).tolist() == [[False, True, False, False]]
+    lp = sampling_logprobs(logits, 1.0, top_p=0.7)
+    assert lp[0, 1].exp().item() == pytest.approx(0.5 / 0.8, abs=1e-6)
+    assert lp[0, 3].exp().item() == pytest.approx(0.3 / 0.8, abs=1e-6)
+    tokens, tlp = sample_next(logits.expand(2000, -1), 1.0, top_p=0.7, generator=make_generator(5))
+    assert set(tokens.tolist()) == {1, 3}
+    assert torch.allclose(tlp.exp(), torch.where(tokens == 1, 0.625, 0.375), atol=1e-6)
+
+
+def test_top_k_then_top_p():
+    probs = [0.4, 0.3, 0.2, 0.1]
+    logits = torch.tensor([probs]).log()
+    # top_k=3 renormalizes to 4/9, 3/9, 2/9; mass before: 0, 4/9, 7/9 -> top_p=0.6 keeps the first two
+    assert truncation_mask(logits, top_k=3, top_p=0.6).tolist() == [[True, True, False, False]]
+    assert truncation_mask(logits) is None
+
+
+def test_seeds_reproduce_and_differ():
+    logits = torch.randn(64, 50)
+    a, _ = sample_next(logits, 1.0, generator=make_generator(7))
+    b, _ = sample_next(logits, 1.0, generator=make_generator(7))
+    c, _ = sample_next(logits, 1.0, generator=make_generator(8))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert make_generator(None) is None
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="logits"):
+        sample_next(torch.zeros(3), 1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        truncation_mask(torch.zeros(1, 3), top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        truncation_mask(torch.zeros(1, 3), top_k=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_logprobs(torch.zeros(1, 3), -1.0)

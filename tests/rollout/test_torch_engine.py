@@ -1,0 +1,214 @@
+"""TorchRolloutEngine: parity with the fp32 Policy, quantization mismatch, stops, seeds, weight sync."""
+
+import copy
+
+import pytest
+import torch
+
+from ais_lightning.models import build_tiny_qwen3
+from ais_lightning.policy import Policy
+from ais_lightning.rollout import RolloutEngine, SamplingConfig, TorchRolloutEngine
+from ais_lightning.rollout.torch_engine import left_pad
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [40], [20, 21, 22, 23]]  # different lengths
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one intra-op thread avoids barrier stalls when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_qwen3(seed=0).eval()
+
+
+def _policy_logprobs(model, batch, temperature):
+    with torch.no_grad():
+        out = Policy(model).response_logprobs(
+            batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, temperature
+        )
+    return out.logprobs
+
+
+def _k3(model, batch, temperature=1.0):
+    """Mean k3 estimate of KL(mu || pi) over valid tokens: E[w - 1 - log w], w = pi / mu."""
+    delta = _policy_logprobs(model, batch, temperature) - batch.rollout_logprobs
+    delta = delta[batch.response_mask]
+    return float((delta.exp() - 1 - delta).mean())
+
+
+def test_is_a_rollout_engine(model):
+    assert isinstance(TorchRolloutEngine(model), RolloutEngine)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp32_logprobs_match_policy(model, temperature):
+    engine = TorchRolloutEngine(model, precision="fp32")
+    sampling = SamplingConfig(n=3, temperature=temperature, max_new_tokens=12, stop_token_ids=[2], seed=0)
+    batch = engine.generate(PROMPTS, sampling)
+    assert batch.response_ids.shape[0] == len(PROMPTS) * 3
+    lp = _policy_logprobs(model, batch, temperature)
+    mask = batch.response_mask
+    assert (lp - batch.rollout_logprobs)[mask].abs().max().item() < 1e-5
+    assert (batch.rollout_logprobs[~mask] == 0).all()
+
+
+def test_engine_does_not_modify_callers_model(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    TorchRolloutEngine(model, precision="int8").generate(PROMPTS, SamplingConfig(max_new_tokens=2, seed=0))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any("Quant" in type(m).__name__ for m in model.modules())
+
+
+def test_greedy_matches_hf_generate(model):
+    engine = TorchRolloutEngine(model)
+    batch = engine.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=8))
+    ids, mask = left_pad(PROMPTS, 0)
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids, attention_mask=mask.long(), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+            pad_token_id=0,
+        )  # fmt: skip
+    assert torch.equal(batch.response_ids, ref[:, ids.shape[1] :])
+    assert batch.finish_reason == ["length"] * len(PROMPTS)
+
+
+def test_rows_are_grouped_by_prompt(model):
+    batch = TorchRolloutEngine(model).generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=3, seed=1))
+    assert batch.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    ids, mask = left_pad(PROMPTS, 0)
+    assert torch.equal(batch.prompt_ids, ids.repeat_interleave(2, 0))
+    assert torch.equal(batch.prompt_mask, mask.repeat_interleave(2, 0))
+
+
+def test_stop_tokens_end_responses_and_mask_after(model):
+    stops = list(range(3, 60))  # more than half the vocabulary: most rows stop within a few tokens
+    sampling = SamplingConfig(n=4, max_new_tokens=10, stop_token_ids=stops, seed=3)
+    batch = TorchRolloutEngine(model).generate(PROMPTS, sampling)
+    assert "stop" in batch.finish_reason
+    for row in range(batch.response_ids.shape[0]):
+        ids, m = batch.response_ids[row], batch.response_mask[row]
+        n_valid = int(m.sum())
+        assert m[:n_valid].all() and not m[n_valid:].any()  # valid tokens are a prefix
+        is_stop = torch.tensor([int(t) in stops for t in ids[:n_valid]])
+        if batch.finish_reason[row] == "stop":
+            assert is_stop[-1] and not is_stop[:-1].any()
+        else:
+            assert n_valid == 10 and not is_stop.any()
+        assert (ids[n_valid:] == 0).all() and (batch.rollout_logprobs[row, n_valid:] == 0).all()
+
+
+@pytest.mark.parametrize("compact_below", [0.0, 0.9])
+def test_logprobs_match_policy_when_rows_stop_early(model, compact_below):
+    """With most rows stopping early, finished rows are dropped from the cache (0.9) or kept (0.0)."""
+    sampling = SamplingConfig(n=4, max_new_tokens=10, stop_token_ids=list(range(3, 23)), seed=11)
+    batch = TorchRolloutEngine(model, compact_below=compact_below).generate(PROMPTS, sampling)
+    lengths = batch.response_mask.sum(-1)
+    assert lengths.min() < 4 and lengths.max() > 6  # rows finish at different steps
+    lp = _policy_logprobs(model, batch, 1.0)
+    assert (lp - batch.rollout_logprobs)[batch.response_mask].abs().max().item() < 1e-5
+
+
+def test_seeds_reproduce(model):
+    engine = TorchRolloutEngine(model)
+    a = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=5))
+    b = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=5))
+    c = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=6))
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_quantized_engines_have_mismatch_fp4_above_fp8(model):
+    prompts = [[i, i + 1, i + 2] for i in range(3, 60, 4)]
+    sampling = SamplingConfig(n=4, max_new_tokens=16, seed=0)
+    kl = {
+        p: _k3(model, TorchRolloutEngine(model, precision=p).generate(prompts, sampling))
+        for p in ("fp8", "fp4", "int8")
+    }
+    assert all(v > 1e-6 for v in kl.values()), kl
+    assert kl["fp4"] > kl["fp8"], kl
+    assert _k3(model, TorchRolloutEngine(model).generate(prompts, sampling)) < 1e-9
+
+
+def test_bf16_and_fp8_kv_cache_are_close_but_not_equal(model):
+    sampling = SamplingConfig(n=2, max_new_tokens=8, seed=0)
+    for kwargs in ({"precision": "bf16"}, {"kv_cache_dtype": "fp8"}):
+        batch = TorchRolloutEngine(model, **kwargs).generate(PROMPTS, sampling)
+        delta = (_policy_logprobs(model, batch, 1.0) - batch.rollout_logprobs)[batch.response_mask]
+        assert 1e-6 < delta.abs().max().item() < 0.2, kwargs
+
+
+def _sgd_step(model):
+    """One plain SGD step on the log-likelihood of a fixed batch; returns the updated copy."""
+    trained = copy.deepcopy(model).train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]])
+    loss = trained(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p -= 5.0 * p.grad
+    return trained.eval()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_weight_sync_tracks_the_trainer(model, precision):
+    engine = TorchRolloutEngine(
+        model, precision=precision, kv_cache_dtype="fp8" if precision == "fp8" else None
+    )
+    sampling = SamplingConfig(n=2, max_new_tokens=8, seed=2)
+    engine.generate(PROMPTS, sampling)
+    trained = _sgd_step(model)
+    engine.sync_weights(Policy(trained).full_state_dict())
+    batch = engine.generate(PROMPTS, sampling)
+    mask = batch.response_mask
+    new_lp = _policy_logprobs(trained, batch, 1.0)
+    old_lp = _policy_logprobs(model, batch, 1.0)
+    assert (new_lp - old_lp)[mask].abs().max().item() > 1e-2  # the step changed the policy
+    if precision == "fp32":
+        assert (new_lp - batch.rollout_logprobs)[mask].abs().max().item() < 1e-5
+    else:  # a synced quantized engine equals one freshly built from the new weights (KV scales included)
+        fresh = TorchRolloutEngine(trained, precision="fp8", kv_cache_dtype="fp8").generate(PROMPTS, sampling)
+        assert torch.equal(fresh.response_ids, batch.response_ids)
+        assert torch.allclose(fresh.rollout_logprobs, batch.rollout_logprobs, atol=1e-6)
+
+
+def test_sync_rejects_unknown_names_and_leaves_weights(model):
+    engine = TorchRolloutEngine(model)
+    before = engine.model.lm_head.weight.clone()
+    named = [
+        ("lm_head.weight", torch.zeros_like(before)),
+        ("not.a.weight", torch.zeros(1)),
+        ("x.y", torch.zeros(1)),
+    ]
+    with pytest.raises(ValueError, match="not.a.weight.*x.y|x.y.*not.a.weight"):
+        engine.sync_weights(named)
+    assert torch.equal(engine.model.lm_head.weight, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"precision": "fp16"}, "precision"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+        ({"precision": "fp32", "backend": "emulate"}, "backend"),
+        ({"precision": "fp8", "backend": "int8"}, "backend"),
+        ({"compact_below": 1.0}, "compact_below"),
+    ],
+)
+def test_bad_config_raises(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TorchRolloutEngine(model, **kwargs)
+
+
+def test_bad_prompts_raise(model):
+    engine = TorchRolloutEngine(model)
+    for prompts in ([], [[]], [[1, 2, 10_000]], [[-1]]):
+        with pytest.raises(ValueError, match="prompts"):
+            engine.generate(prompts, SamplingConfig())

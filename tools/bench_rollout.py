@@ -1,0 +1,310 @@
+"""Rollout throughput benchmark: one run, same model and prompts for every engine.
+
+Engines: HF ``model.generate`` (fp32, and on an fbgemm int8 copy), ``TorchRolloutEngine`` at
+fp32/bf16/fp8/fp4/int8, and vLLM when importable. For each: tokens/s, ms per decode step, memory,
+the ratio to torch-fp32, and the fraction of a GEMM roofline: 2 x (linear-layer params) FLOP per
+token at the fp32 / int8 GEMM rates this run measures at the decode shape (M = batch).
+
+Memory: ``weights MB`` = bytes of the engine model's unique parameters and buffers (cached
+fake-quantized weights included; fbgemm packed int8 weights counted as 1 byte per weight);
+``run MB`` = peak growth of the resident set size (RSS, /proc/self/statm, sampled every 2 ms by a
+thread) during ``generate`` over the RSS before it (KV cache + activations). RSS only grows when the
+allocator needs new pages, so ``run MB`` under-counts memory reused from earlier engines.
+
+``--repeats R`` runs the engines round-robin R times and keeps each one's best time (the machine
+may be shared: best-of-R is the least noisy estimate of what the code can do).
+
+    python tools/bench_rollout.py --config tiny --out bench_tiny.json
+    python tools/bench_rollout.py --config gemm --out bench_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
+from ais_lightning.rollout.torch_engine import left_pad
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark shape."""
+
+    batch: int
+    """Prompts per generate call (n = 1)."""
+    prompt_len: tuple[int, int]
+    """Prompt lengths are drawn uniformly from this inclusive range."""
+    new_tokens: int
+    """Tokens generated per prompt (no stop tokens: every row runs to the end)."""
+    model: dict
+    """Qwen3Config overrides; empty = the built-in tiny model."""
+
+
+CONFIGS = {
+    "tiny": BenchConfig(batch=128, prompt_len=(8, 16), new_tokens=32, model={}),
+    "gemm": BenchConfig(
+        batch=64,
+        prompt_len=(16, 16),
+        new_tokens=64,
+        model=dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=4096,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+ENGINES = ("hf-fp32", "hf-int8", "torch-fp32", "torch-bf16", "torch-fp8", "torch-fp4", "torch-int8", "vllm")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Context manager sampling RSS in a thread; ``.peak_delta`` = max RSS - RSS at entry (bytes)."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+        self.peak_delta = self.peak - self.base
+
+
+def build_model(cfg: BenchConfig) -> nn.Module:
+    from ais_lightning.models import build_tiny_qwen3
+
+    return build_tiny_qwen3(seed=0, attn_implementation="sdpa", **cfg.model).eval()
+
+
+def make_prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lo, hi = cfg.prompt_len
+    lengths = torch.randint(lo, hi + 1, (cfg.batch,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def linear_params(model: nn.Module) -> int:
+    """Parameters that go through a GEMM per token (all linear layers, lm_head included)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the unique tensors (parameters + buffers, e.g. cached fake-quantized weights) of ``model``.
+
+    fbgemm's packed int8 weights are opaque objects and are counted from their shape (1 byte/weight).
+    """
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    packed = [m for m in model.modules() if getattr(m, "_packed", None) is not None]
+    return total + sum(m.weight.numel() for m in packed)
+
+
+def gemm_rates(m: int, k: int, n: int, seconds: float = 1.0) -> dict[str, float]:
+    """FLOP/s of an fp32 ``[m,k] @ [k,n]`` and of an fbgemm dynamic int8 linear of the same shape."""
+    from ais_lightning.quant.linear import _quantized_engine_reduce_range, int8_prepack
+
+    x, w = torch.randn(m, k), torch.randn(n, k) / k**0.5
+    packed = int8_prepack(w, None)
+    rr = _quantized_engine_reduce_range()
+    ops = {
+        "fp32": lambda: torch.nn.functional.linear(x, w),
+        "int8": lambda: torch.ops.quantized.linear_dynamic(x, packed, rr),
+    }
+    rates = {}
+    with torch.inference_mode():
+        for name, fn in ops.items():
+            fn()
+            reps, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                fn()
+                reps += 1
+            rates[name] = 2 * m * k * n * reps / (time.perf_counter() - start)
+    return rates
+
+
+def run_hf(model: nn.Module, prompts: list[list[int]], new: int, int8: bool) -> tuple[float, int, int]:
+    if int8:
+        from ais_lightning.quant import get_recipe, quantize_model
+
+        model = quantize_model(copy.deepcopy(model), get_recipe("int8"), backend="int8")
+    ids, mask = left_pad(prompts, 0)
+    kwargs = dict(
+        input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0, top_k=0, pad_token_id=0
+    )
+    with torch.inference_mode():
+        model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
+        with PeakRSS() as run_mem:
+            start = time.perf_counter()
+            model.generate(**kwargs, max_new_tokens=new, min_new_tokens=new)
+            elapsed = time.perf_counter() - start
+    return elapsed, weight_bytes(model), run_mem.peak_delta
+
+
+def run_torch(model: nn.Module, prompts: list[list[int]], new: int, precision: str) -> tuple[float, int, int]:
+    engine = TorchRolloutEngine(model, precision=precision)
+    engine.generate(prompts, SamplingConfig(max_new_tokens=2, seed=0))  # warm-up
+    with PeakRSS() as run_mem:
+        start = time.perf_counter()
+        batch = engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
+        elapsed = time.perf_counter() - start
+    assert batch.num_tokens == len(prompts) * new
+    return elapsed, weight_bytes(engine.model), run_mem.peak_delta
+
+
+def run_vllm(model: nn.Module, prompts: list[list[int]], new: int) -> tuple[float, int, int]:
+    from ais_lightning.rollout.factory import build_engine
+
+    engine = build_engine("vllm", model, precision="bf16")
+    engine.generate(prompts, SamplingConfig(max_new_tokens=2, seed=0))
+    with PeakRSS() as run_mem:
+        start = time.perf_counter()
+        engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
+        elapsed = time.perf_counter() - start
+    return elapsed, -1, run_mem.peak_delta
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="override the config's new tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="round-robin repeats; the best time is kept")
+    parser.add_argument("--out", default=None, help="JSON output path (default bench_rollout_<config>.json)")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = CONFIGS[args.config]
+    if args.new_tokens:
+        cfg = BenchConfig(cfg.batch, cfg.prompt_len, args.new_tokens, cfg.model)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    prompts = make_prompts(cfg, model.config.vocab_size)
+    params = linear_params(model)
+    c = model.config
+    rates = gemm_rates(cfg.batch, c.hidden_size, c.intermediate_size)
+
+    best: dict[str, tuple[float, int, int]] = {}
+    skipped: dict[str, str] = {}
+    for _ in range(args.repeats):  # round-robin, so load from other processes hits every engine alike
+        for name in args.engines:
+            if name in skipped:
+                continue
+            kind, _, precision = name.partition("-")
+            try:
+                if kind == "hf":
+                    res = run_hf(model, prompts, cfg.new_tokens, int8=precision == "int8")
+                elif kind == "torch":
+                    res = run_torch(model, prompts, cfg.new_tokens, precision)
+                else:
+                    res = run_vllm(model, prompts, cfg.new_tokens)
+            except (ImportError, ValueError) as err:
+                skipped[name] = str(err).splitlines()[0]
+                print(f"{name}: skipped ({skipped[name]})", flush=True)
+                continue
+            print(f"{name}: {cfg.batch * cfg.new_tokens / res[0]:.0f} tok/s", flush=True)
+            if name not in best or res[0] < best[name][0]:
+                best[name] = (res[0], res[1], max(res[2], best.get(name, (0, 0, 0))[2]))
+
+    rows = []
+    for name in args.engines:
+        if name in skipped:
+            rows.append({"engine": name, "skipped": skipped[name]})
+            continue
+        elapsed, wbytes, run_b = best[name]
+        precision = name.partition("-")[2]
+        tok_s = cfg.batch * cfg.new_tokens / elapsed
+        rate = rates["int8"] if precision == "int8" else rates["fp32"]
+        rows.append(
+            {
+                "engine": name,
+                "tokens_per_s": tok_s,
+                "ms_per_step": 1000 * elapsed / cfg.new_tokens,
+                "weights_mb": wbytes / 2**20,
+                "run_peak_mb": run_b / 2**20,
+                "roofline_fraction": tok_s * 2 * params / rate,
+                "roofline_rate": "int8" if precision == "int8" else "fp32",
+            }
+        )
+
+    base = next(
+        (r["tokens_per_s"] for r in rows if r["engine"] == "torch-fp32" and "tokens_per_s" in r), None
+    )
+    for r in rows:
+        if base and "tokens_per_s" in r:
+            r["vs_torch_fp32"] = r["tokens_per_s"] / base
+    result = {
+        "config": args.config,
+        "shape": asdict(cfg),
+        "linear_params": params,
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "gemm_gflops": {k: v / 1e9 for k, v in rates.items()},
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "memory": "weights = bytes of the engine model's unique params+buffers (int8 packed: 1 B/weight); run = peak RSS growth during generate (/proc/self/statm, 2 ms sampling)",
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    out = args.out or f"bench_rollout_{args.config}.json"
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown_table(result))
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    g = result["gemm_gflops"]
+    lines = [
+        f"config {result['config']}: batch {result['shape']['batch']}, {result['shape']['new_tokens']} new tokens, "
+        f"{result['linear_params'] / 1e6:.2f}M linear params, {result['threads']} threads; "
+        f"GEMM fp32 {g['fp32']:.1f} GFLOP/s, int8 {g['int8']:.1f} GFLOP/s",
+        "",
+        "| engine | tok/s | ms/step | vs torch-fp32 | roofline | weights MB | run peak RSS MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['engine']} | skipped: {r['skipped'][:60]} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r.get('vs_torch_fp32', 0):.2f}x "
+            f"| {100 * r['roofline_fraction']:.1f}% ({r['roofline_rate']}) | {r['weights_mb']:.0f} | {r['run_peak_mb']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

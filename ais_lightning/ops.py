@@ -17,7 +17,9 @@ def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise ValueError(f"{name} must be a bool tensor (True = valid response token), got dtype {mask.dtype}")
+        raise ValueError(
+            f"{name} must be a bool tensor (True = valid response token), got dtype {mask.dtype}"
+        )
     if mask.dim() != 2:
         raise ValueError(f"{name} must have shape [B, T], got {tuple(mask.shape)}")
 
@@ -35,7 +37,10 @@ def check_token_tensor(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
 
 
 def check_logprob_inputs(
-    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, **optional: torch.Tensor | None
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    **optional: torch.Tensor | None,
 ) -> None:
     """Validate the shared ``(train_logprobs, rollout_logprobs, mask)`` signature.
 
@@ -50,16 +55,22 @@ def check_logprob_inputs(
             continue
         if name == "advantages" and isinstance(value, torch.Tensor) and value.dim() == 1:
             if value.shape[0] != mask.shape[0]:
-                raise ValueError(f"advantages has shape {tuple(value.shape)}; expected [B]={mask.shape[0]} or [B, T]")
+                raise ValueError(
+                    f"advantages has shape {tuple(value.shape)}; expected [B]={mask.shape[0]} or [B, T]"
+                )
             if not bool(torch.isfinite(value).all()):
                 raise ValueError("advantages has non-finite values")
             continue
         check_token_tensor(value, name, mask)
 
 
-def log_ratio(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def log_ratio(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """delta = clamp(log pi - log mu, -20, 20), zero on masked tokens, detached.  # [B, T]"""
-    delta = (train_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    delta = (train_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
     return torch.where(mask, delta, torch.zeros_like(delta))
 
 
@@ -92,7 +103,9 @@ def sequence_log_ratio(delta: torch.Tensor, mask: torch.Tensor, level: str) -> t
     return seq.unsqueeze(-1).expand_as(delta)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Log-prob of ``tokens`` under ``softmax(logits / temperature)``, computed in fp32.
 
     logits: ``[..., V]``; tokens: ``[...]`` (long). Returns ``[...]`` float32.

@@ -68,6 +68,35 @@ def check_ais_args(
         raise ValueError(f"eps must be > 0, got {eps}")
 
 
+def ais_coefficient_kwargs(
+    c: float = 2.0,
+    kappa: float = 1.0,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    lambda_min: float = 0.0,
+    lambda_max: float = 1.0,
+    eps: float = 1e-6,
+    use_reliability: bool = True,
+    use_severity: bool = True,
+    use_variance: bool = True,
+) -> dict[str, float | bool]:
+    """Validated keyword arguments of ``ais_coefficient`` (shared by ``AIS`` and ``AISCoefficient``)."""
+    check_ais_args(
+        c=c, kappa=kappa, alpha=alpha, beta=beta, lambda_min=lambda_min, lambda_max=lambda_max, eps=eps
+    )
+    return dict(
+        kappa=float(kappa),
+        alpha=float(alpha),
+        beta=float(beta),
+        eps=float(eps),
+        lambda_min=float(lambda_min),
+        lambda_max=float(lambda_max),
+        use_reliability=bool(use_reliability),
+        use_severity=bool(use_severity),
+        use_variance=bool(use_variance),
+    )
+
+
 def ais_sufficient_statistics(
     delta: torch.Tensor,
     mask: torch.Tensor,
@@ -226,25 +255,14 @@ class AIS(Corrector):
         fixed_lambda: float | None = None,
     ) -> None:
         super().__init__()
-        check_ais_args(
-            c=c, kappa=kappa, alpha=alpha, beta=beta, lambda_min=lambda_min, lambda_max=lambda_max, eps=eps
+        self.coefficient_kwargs = ais_coefficient_kwargs(
+            c, kappa, alpha, beta, lambda_min, lambda_max, eps, use_reliability, use_severity, use_variance
         )
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be None or in [0, 1), got {ema_decay}")
         if fixed_lambda is not None and not 0.0 <= fixed_lambda <= 1.0:
             raise ValueError(f"fixed_lambda must be None or in [0, 1], got {fixed_lambda}")
         self.c = float(c)
-        self.coefficient_kwargs = dict(
-            kappa=float(kappa),
-            alpha=float(alpha),
-            beta=float(beta),
-            eps=float(eps),
-            lambda_min=float(lambda_min),
-            lambda_max=float(lambda_max),
-            use_reliability=bool(use_reliability),
-            use_severity=bool(use_severity),
-            use_variance=bool(use_variance),
-        )
         self.ema_decay = None if ema_decay is None else float(ema_decay)
         self.fixed_lambda = None if fixed_lambda is None else float(fixed_lambda)
         self.stat_c_high = self.c

@@ -14,8 +14,8 @@ from ais_lightning import ops
 from ais_lightning.correctors.ais import (
     NUM_AIS_STATISTICS,
     ais_coefficient,
+    ais_coefficient_kwargs,
     ais_sufficient_statistics,
-    check_ais_args,
 )
 
 AIS_COMPONENTS = ("lambda", "reliability", "severity", "variance_factor")
@@ -56,21 +56,10 @@ class AISCoefficient(Metric):
         super().__init__(**kwargs)
         if component not in AIS_COMPONENTS:
             raise ValueError(f"component must be one of {AIS_COMPONENTS}, got {component!r}")
-        check_ais_args(
-            c=c, kappa=kappa, alpha=alpha, beta=beta, lambda_min=lambda_min, lambda_max=lambda_max, eps=eps
-        )
         self.component = component
         self.c = float(c)
-        self.coefficient_kwargs = dict(
-            kappa=float(kappa),
-            alpha=float(alpha),
-            beta=float(beta),
-            eps=float(eps),
-            lambda_min=float(lambda_min),
-            lambda_max=float(lambda_max),
-            use_reliability=bool(use_reliability),
-            use_severity=bool(use_severity),
-            use_variance=bool(use_variance),
+        self.coefficient_kwargs = ais_coefficient_kwargs(
+            c, kappa, alpha, beta, lambda_min, lambda_max, eps, use_reliability, use_severity, use_variance
         )
         self.add_state(
             "stats", default=torch.zeros(NUM_AIS_STATISTICS, dtype=torch.float64), dist_reduce_fx="sum"

@@ -1,0 +1,170 @@
+"""End-to-end: ``ais-train`` on the tiny model with real Lightning Trainers and real MLflow stores."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.integration.helpers import SMOKE, run_train
+
+pytestmark = pytest.mark.slow
+
+
+def test_smoke_run_writes_summary_config_and_checkpoint(tmp_path: Path):
+    out = tmp_path / "run"
+    proc = run_train([*SMOKE, f"hydra.run.dir={out}", "logger=csv"], cwd=tmp_path)
+    assert "ais-train summary" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert math.isfinite(summary["kl_k3_mean"]) and summary["kl_k3_mean"] >= 0
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "checkpoints" / "last.ckpt").exists()
+    assert "corrector" in (out / "config.yaml").read_text()
+
+
+def test_multirun_lands_as_four_mlflow_runs_in_one_experiment(tmp_path: Path):
+    sweep_dir = tmp_path / "sweep"
+    run_train(
+        ["-m", *SMOKE, "logger=mlflow", "corrector=none,tis,mis,ais", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path,
+    )
+    db = sweep_dir / "mlflow.db"
+    assert db.exists(), "the default store of a multirun is one SQLite file under the sweep directory"
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("ais_lightning")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.data.params["corrector.name"] for r in runs) == ["ais", "mis", "none", "tis"]
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.params["rollout.precision"] == "int8"
+        history = client.get_metric_history(run.info.run_id, "mismatch/kl_k3")
+        assert len(history) == 2, "one value per rollout step"
+        assert "summary/reward_last" in run.data.metrics
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "summary.json", "summary.png"} <= artifacts
+    ais = next(r for r in runs if r.data.params["corrector.name"] == "ais")
+    assert 0.0 <= ais.data.metrics["ais/lambda"] <= 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_arrive_at_a_real_mlflow_server(tmp_path: Path):
+    port = _free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--default-artifact-root",
+            str(tmp_path / "server-artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                raise AssertionError("mlflow server did not come up")
+            time.sleep(1)
+        run_train(
+            [*SMOKE, "logger=mlflow", f"logger.tracking_uri={uri}", "logger.experiment_name=server_test"],
+            cwd=tmp_path,
+        )
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name("server_test")
+        (run,) = client.search_runs([exp.experiment_id])
+        assert run.info.status == "FINISHED"
+        assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
+        assert run.data.params["corrector.name"] == "ais"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
+    """Kill a run after its step-2 checkpoint; resuming from it reproduces the uninterrupted run."""
+    common = [
+        *SMOKE,
+        "logger=none",
+        "trainer.max_steps=4",
+        "trainer.checkpoint_every_n_steps=1",
+        "corrector.ema_decay=0.5",
+    ]
+    full = tmp_path / "full"
+    run_train([*common, f"hydra.run.dir={full}"], cwd=tmp_path)
+    expected = json.loads((full / "history.json").read_text())
+    assert len(expected) == 4
+
+    killed = tmp_path / "killed"
+    env = {"TOKENIZERS_PARALLELISM": "false", "AIS_LIGHTNING_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ais_lightning.train", *common, f"hydra.run.dir={killed}"],
+        cwd=tmp_path,
+        env={**__import__("os").environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ckpt_dir = killed / "checkpoints"
+    deadline = time.time() + 300
+    step2 = None
+    while step2 is None and time.time() < deadline and proc.poll() is None:
+        found = sorted(ckpt_dir.glob("*step=2.ckpt")) if ckpt_dir.exists() else []
+        step2 = found[0] if found else None
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    step2 = step2 or next(iter(sorted(ckpt_dir.glob("*step=2.ckpt"))), None)
+    assert step2 is not None, "the run never wrote its step-2 checkpoint"
+    time.sleep(
+        0.5
+    )  # let a checkpoint being written when killed settle (it is written atomically by Lightning)
+
+    resumed = tmp_path / "resumed"
+    run_train([*common, f"hydra.run.dir={resumed}", f"ckpt_path={step2}"], cwd=tmp_path)
+    got = json.loads((resumed / "history.json").read_text())
+    assert [h["step"] for h in got] == [h["step"] for h in expected]
+    for a, b in zip(got, expected):
+        for key in ("reward", "kl_k3", "entropy", "lambda"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)
+
+
+def test_qarl_trains_a_few_steps_on_fp8_rollouts(tmp_path: Path):
+    out = tmp_path / "qarl"
+    run_train([*SMOKE, "corrector=qarl", "rollout=fp8", "logger=csv", f"hydra.run.dir={out}"], cwd=tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    # The trainer's forward is aligned with the fp8 engine: the mismatch is (nearly) gone.
+    assert summary["kl_k3_mean"] < 1e-6

@@ -1,0 +1,118 @@
+"""GRPOModule with real Lightning Trainers on the tiny model: one step trains, bad numbers never do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from ais_lightning.correctors import AIS
+from ais_lightning.losses import GRPOLoss
+from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
+from ais_lightning.modules.grpo import GRPOModule
+from ais_lightning.policy import Policy
+from ais_lightning.rollout import TorchRolloutEngine
+from ais_lightning.tasks.arithmetic import Arithmetic
+
+
+class OddCharacters(Arithmetic):
+    """A reward an untrained model already varies on (so advantages are not all zero)."""
+
+    def reward(self, prompts, completions, **fields):
+        return [sum(ord(c) % 2 for c in text) / max(len(text), 1) for text in completions]
+
+
+class NaNRollouts:
+    """A real engine whose rollout log-probs come back NaN (a broken low-precision kernel)."""
+
+    def __init__(self, model):
+        self.engine = TorchRolloutEngine(model, precision="fp32")
+
+    def sync_weights(self, named):
+        self.engine.sync_weights(named)
+
+    def generate(self, prompts, sampling):
+        batch = self.engine.generate(prompts, sampling)
+        return dataclasses.replace(
+            batch, rollout_logprobs=torch.full_like(batch.rollout_logprobs, float("nan"))
+        )
+
+
+class NaNLoss(GRPOLoss):
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        return dataclasses.replace(out, loss=out.loss * float("nan"))
+
+
+def _module(engine_factory=None, loss=None) -> GRPOModule:
+    return GRPOModule(
+        policy=Policy(build_tiny_qwen3(seed=0)),
+        tokenizer=build_char_tokenizer(),
+        task=OddCharacters(digits=1),
+        corrector=AIS(),
+        loss=loss or GRPOLoss(),
+        engine_factory=engine_factory or (lambda m: TorchRolloutEngine(m, precision="fp32")),
+        group_size=4,
+        max_new_tokens=4,
+        lr=1e-3,
+    )
+
+
+def _fit(module: GRPOModule) -> L.Trainer:
+    batch = {"prompt": ["1+2=", "3+4=", "5+1="], "solution": ["3", "7", "6"], "answer": [3, 7, 6]}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
+    return trainer
+
+
+def _weights(module: GRPOModule) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.policy.model.state_dict().items()}
+
+
+def test_one_step_updates_the_policy_and_syncs_the_engine():
+    module = _module()
+    before = _weights(module)
+    trainer = _fit(module)
+    after = _weights(module)
+    assert trainer.global_step == 1
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    metrics = trainer.callback_metrics
+    for key in ("reward/mean", "mismatch/kl_k3", "ais/lambda", "loss/pg_loss", "train/entropy"):
+        assert torch.isfinite(metrics[key]), key
+    assert metrics["mismatch/kl_k3"] < 1e-9, "fp32 engine and fp32 trainer agree"
+    assert len(module.history) == 1
+    # The engine now generates with the updated weights: its log-probs equal the policy's.
+    engine_state = dict(module.engine.model.state_dict())
+    for name, value in module.policy.model.state_dict().items():
+        if name in engine_state and engine_state[name].shape == value.shape:
+            torch.testing.assert_close(engine_state[name], value)
+
+
+def test_nonfinite_rollout_logprobs_skip_the_update():
+    module = _module(engine_factory=NaNRollouts)
+    before = _weights(module)
+    trainer = _fit(module)
+    assert trainer.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in _weights(module).items())
+    assert trainer.callback_metrics["train/nonfinite_logprobs"] == 1.0
+    assert trainer.callback_metrics["train/skipped_updates"] == 1.0
+    assert module.history == []
+
+
+def test_nonfinite_loss_skips_the_optimizer_step():
+    module = _module(loss=NaNLoss())
+    before = _weights(module)
+    trainer = _fit(module)
+    assert trainer.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in _weights(module).items())
+    assert trainer.callback_metrics["train/skipped_updates"] == 1.0

@@ -2,7 +2,8 @@
 
 ``TorchRolloutEngine`` owns a deep copy of a Hugging Face causal LM (like vLLM owns its weights),
 optionally quantized (``ais_lightning.quant``), and samples with one prefill forward followed by
-lean single-token decode steps. The decode step calls the model's own submodules (norms,
+lean single-token decode steps. The prefill runs the projections and MLP on the real prompt
+tokens only (packed, no pad tokens). The decode step calls the model's own submodules (norms,
 projections, MLP, lm_head: so quantized ``QuantLinear`` layers are used as they are) but not
 HF's generic forward/cache machinery, which costs more per step than the math on small models.
 
@@ -44,17 +45,32 @@ QUANT_BACKENDS = ("emulate", "int8")
 _DEFAULT_BACKEND = {"fp8": "emulate", "fp4": "emulate", "int8": "int8"}
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _sign_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``[-sin_1, sin_2]`` (halves of the last dim): the sign of ``rotate_half`` folded into sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (Su et al. 2021, RoFormer), HF's half-rotation layout.
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021, RoFormer) in HF's half-rotation layout.  x: [..., D]
 
-    x: ``[B, H, T, D]``; cos, sin: ``[B, T, D]``.
+    HF computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x_2, x_1]``. With the sign
+    folded into ``sin_signed = [-sin_1, sin_2]`` (:func:`_sign_sin`), rotate_half becomes a plain swap
+    of the halves, ``[x_2, x_1] * [-sin_1, sin_2] == [-x_2, x_1] * [sin_1, sin_2]`` exactly, and the
+    whole rotation is 3 kernels (mul, flip, addcmul) instead of 5 (mul, neg, cat, mul, add).
+    cos, sin_signed broadcast against x.
     """
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [..., D] = [x_2, x_1]
+    return torch.addcmul(x * cos, swapped, sin_signed)
+
+
+def _linear_residual(x: torch.Tensor, h: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """``x + linear(h)``; a bias-free plain ``nn.Linear`` runs as one ``addmm`` (the residual add fused)."""
+    if type(linear) is nn.Linear and linear.bias is None:
+        out = torch.addmm(x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), linear.weight.t())
+        return out.view(x.shape)
+    return x + linear(h)
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,80 +289,149 @@ class TorchRolloutEngine:
             return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
         return norm(x)
 
-    def _decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """Single-query attention with grouped KV heads as two small batched GEMMs.
+    def _qk_norm_weights(self) -> list[torch.Tensor | None]:
+        """Per layer, the q_norm/k_norm weights stacked per head, ``[Hq + Hkv, D]``, or None.
 
-        q: [B, Hq, 1, D]; k, v: [B, Hkv, L, D]; bias: [B, 1, 1, L] additive (0 / -inf). Returns [B, 1, Hq * D].
-        Query head h reads KV head h // (Hq / Hkv), as HF's ``repeat_kv``.
+        Built once per ``generate`` (weights cannot change inside it), so q and k are normalized by
+        one ``F.rms_norm`` over ``[..., Hq + Hkv, D]`` and one multiply. None where the layer has no
+        q/k norm or the fast path does not apply (non-fp32 or non-RMSNorm: the modules are called).
         """
-        b = q.shape[0]
-        qg = q.reshape(b, self._n_kv, -1, self._head_dim)  # [B, Hkv, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale + bias  # [B, Hkv, G, L]
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).reshape(b, 1, -1)  # [B, 1, Hq * D]
+        weights = []
+        for layer in self._layers:
+            attn = layer.self_attn
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            fast = (
+                qn is not None
+                and self.dtype == torch.float32
+                and all(type(m).__name__.endswith("RMSNorm") for m in (qn, kn))
+                and getattr(qn, "variance_epsilon", None) == getattr(kn, "variance_epsilon", -1)
+            )
+            if not fast:
+                weights.append(None)
+                continue
+            d = self._head_dim
+            w = torch.cat([qn.weight.expand(self._n_heads, d), kn.weight.expand(self._n_kv, d)])
+            weights.append(w)  # [Hq + Hkv, D]
+        return weights
 
-    def _attention_block(
+    def _project_qkv(
+        self, i: int, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, qk_w: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k/v of normed hidden states ``h [..., H]``, with q/k-norm and RoPE applied to q and k together.
+
+        cos, sin_signed broadcast against ``[..., Hq + Hkv, D]``. Returns q ``[..., Hq, D]``,
+        k ``[..., Hkv, D]``, v ``[..., Hkv, D]``.
+        """
+        attn = self._layers[i].self_attn
+        fused = self._fused[i]
+        nq, nkv, d = self._n_heads, self._n_kv, self._head_dim
+        if fused is not None:
+            qkv = F.linear(h, fused[0], fused[1])  # [..., (Hq + 2 Hkv) D]
+        else:  # quantized / other linears: one module each, concatenated so RoPE runs once
+            qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+        qk = qkv[..., : (nq + nkv) * d].unflatten(-1, (nq + nkv, d))  # [..., Hq + Hkv, D]
+        v = qkv[..., (nq + nkv) * d :].unflatten(-1, (nkv, d))  # [..., Hkv, D]
+        if qk_w is not None:
+            qk = F.rms_norm(qk, (d,), None, attn.q_norm.variance_epsilon) * qk_w
+        elif hasattr(attn, "q_norm"):
+            qk = torch.cat([attn.q_norm(qk[..., :nq, :]), attn.k_norm(qk[..., nq:, :])], dim=-2)
+        qk = _rope(qk, cos, sin_signed)
+        return qk[..., :nq, :], qk[..., nq:, :], v
+
+    def _mlp_residual(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``x + MLP(post_attention_layernorm(x))`` for ``x [..., H]``."""
+        layer = self._layers[i]
+        fused = self._fused[i]
+        h = self._rms_norm(layer.post_attention_layernorm, x)
+        if fused is None:
+            return x + layer.mlp(h)
+        gate, up = F.linear(h, fused[2]).chunk(2, dim=-1)  # [..., I] each
+        return _linear_residual(x, layer.mlp.act_fn(gate).mul_(up), layer.mlp.down_proj)
+
+    def _prefill_layer(
         self,
         i: int,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        start: int,
-        attn_mask: torch.Tensor,
-        valid: torch.Tensor | None,
+        tokens: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        qk_w: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One decoder layer over ``x`` [B, T, H] written at cache slots ``start:start+T``.
+        """One decoder layer over the packed prompt tokens ``x [N, H]`` (no pad tokens).
 
-        ``attn_mask``: prefill (T > 1) a bool [B, 1, T, T] mask for SDPA; decode (T == 1) an additive
-        float bias [B, 1, 1, start + 1].
+        ``tokens = (row, slot)``, each ``[N]``: where packed token j sits in the padded ``[B, P]`` batch.
+        Projections and the MLP run on the N real tokens only; the attention runs padded (SDPA, bool
+        ``mask [B, 1, P, P]``) with K/V written to cache slots ``0:P`` (pad slots must already be 0).
+        cos, sin_signed: ``[N, 1, D]``.
         """
         layer = self._layers[i]
-        attn = layer.self_attn
-        fused = self._fused[i]
-        b, t, _ = x.shape
-        nq, nkv, d = self._n_heads, self._n_kv, self._head_dim
-        h = self._rms_norm(layer.input_layernorm, x)  # [B, T, H]
-        if fused is not None:
-            qkv = F.linear(h, fused[0], fused[1])  # [B, T, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q = q.view(b, t, nq, d)  # [B, T, Hq, D]
-        k = k.view(b, t, nkv, d)  # [B, T, Hkv, D]
-        v = v.view(b, t, nkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-        if hasattr(attn, "q_norm"):
-            q = self._rms_norm(attn.q_norm, q)
-            k = self._rms_norm(attn.k_norm, k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        k, v = self._kv_store(i, k, v, valid)
-        end = start + t
-        k_cache[:b, :, start:end] = k
-        v_cache[:b, :, start:end] = v
-        if t == 1:
-            out = self._decode_attention(
-                q, k_cache[:b, :, :end], v_cache[:b, :, :end], attn_mask, self._scaling[i]
-            )
-        else:
-            out = F.scaled_dot_product_attention(
-                q,
-                k_cache[:b, :, :end],
-                v_cache[:b, :, :end],
-                attn_mask=attn_mask,
-                scale=self._scaling[i],
-                enable_gqa=nq != nkv,
-            )  # [B, Hq, T, D]
-            out = out.transpose(1, 2).reshape(b, t, -1)  # [B, T, Hq * D]
-        x = x + attn.o_proj(out)
-        h = self._rms_norm(layer.post_attention_layernorm, x)
-        if fused is not None:
-            gate, up = F.linear(h, fused[2]).chunk(2, dim=-1)  # [B, T, I] each
-            return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        return x + layer.mlp(h)
+        row, slot = tokens
+        b, _, p = mask.shape[:3]
+        h = self._rms_norm(layer.input_layernorm, x)  # [N, H]
+        q, k, v = self._project_qkv(i, h, cos, sin_signed, qk_w)  # [N, heads, D]
+        if self.kv_cache_dtype is not None:  # _kv_store takes [B, Hkv, T, D]: pass the N tokens as one row
+            all_valid = torch.ones((1, k.shape[0]), dtype=torch.bool, device=k.device)
+            k4, v4 = self._kv_store(i, k.transpose(0, 1)[None], v.transpose(0, 1)[None], all_valid)
+            k, v = k4[0].transpose(0, 1), v4[0].transpose(0, 1)  # [N, Hkv, D]
+        k_cache[row, :, slot] = k  # cache [B, Hkv, T, D] at (row, :, slot) <- [N, Hkv, D]
+        v_cache[row, :, slot] = v
+        q_pad = q.new_zeros(b, p, *q.shape[1:])  # [B, P, Hq, D]
+        q_pad[row, slot] = q
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),
+            k_cache[:b, :, :p],
+            v_cache[:b, :, :p],
+            attn_mask=mask,
+            scale=self._scaling[i],
+            enable_gqa=self._n_heads != self._n_kv,
+        )  # [B, Hq, P, D]
+        out = out.transpose(1, 2)[row, slot].flatten(1)  # [N, Hq D]
+        x = _linear_residual(x, out, layer.self_attn.o_proj)
+        return self._mlp_residual(i, x)
+
+    def _decode_layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot: int,
+        bias: torch.Tensor | None,
+        qk_w: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One decoder layer for one new token per row: ``x [B, H]`` -> ``[B, H]``, K/V written at ``slot``.
+
+        cos, sin_signed: ``[B, 1, D]``; bias: additive (0 / -inf) ``[B, Hkv, 1, slot + 1]`` over the
+        keys, or None when no key is masked.
+        """
+        layer = self._layers[i]
+        b = x.shape[0]
+        nkv, d = self._n_kv, self._head_dim
+        h = self._rms_norm(layer.input_layernorm, x)  # [B, H]
+        q, k, v = self._project_qkv(i, h, cos, sin_signed, qk_w)  # [B, heads, D]
+        if self.kv_cache_dtype is not None:
+            k, v = (t.squeeze(2) for t in self._kv_store(i, k.unsqueeze(2), v.unsqueeze(2), None))
+        k_cache[:, :, slot] = k
+        v_cache[:, :, slot] = v
+        # Single-query attention with grouped KV heads as two batched GEMMs over B * Hkv: query
+        # head h reads KV head h // G (HF's repeat_kv), so q reshapes to [B * Hkv, G, D].
+        qg = q.reshape(b * nkv, -1, d)  # [B Hkv, G, D]
+        keys = k_cache[:, :, : slot + 1].flatten(0, 1)  # [B Hkv, L, D] (a view: B, Hkv strides merge)
+        values = v_cache[:, :, : slot + 1].flatten(0, 1)  # [B Hkv, L, D]
+        scale = self._scaling[i]
+        if bias is None:
+            scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale)  # [B Hkv, G, L]
+        else:  # bias + scale * q k^T in one kernel
+            scores = torch.baddbmm(bias.flatten(0, 1), qg, keys.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        out = torch.bmm(probs, values).view(b, -1)  # [B, Hq D]
+        x = _linear_residual(x, out, layer.self_attn.o_proj)
+        return self._mlp_residual(i, x)
 
     # --------------------------------------------------------------- generate
     def _check_prompts(self, prompts: list[list[int]]) -> None:
@@ -374,6 +459,7 @@ class TorchRolloutEngine:
         batch, new = bp * n, sampling.max_new_tokens
         total = plen + new
         lengths = prompt_mask.sum(-1)  # [Bp]
+        qk_ws = self._qk_norm_weights()
 
         # Positions of every slot: prompt per the convention, response token t at L + t.
         pos = torch.cat(
@@ -384,81 +470,91 @@ class TorchRolloutEngine:
             dim=1,
         )  # [Bp, P + N]
         cos, sin = self._rotary(self._embed.weight[:1], pos)  # [Bp, P + N, D]
-        cos, sin = cos.to(dtype), sin.to(dtype)
-        key_valid = torch.cat(
-            [prompt_mask, torch.ones(bp, new, dtype=torch.bool, device=dev)], dim=1
-        )  # [Bp, P+N]
+        cos, sin_signed = cos.to(dtype), _sign_sin(sin.to(dtype))
 
-        # Prefill once per distinct prompt; causal, valid keys only (a pad query sees itself, no NaN).
+        # Prefill once per distinct prompt, over its real tokens only (packed: no pad token goes through
+        # the projections or the MLP); causal attention over valid keys (a pad query sees itself: no NaN).
         causal = torch.ones(plen, plen, dtype=torch.bool, device=dev).tril()  # [P, P]
         eye = torch.eye(plen, dtype=torch.bool, device=dev)
         pre_mask = (causal & prompt_mask[:, None, :]) | eye  # [Bp, P, P]
         pre_mask = pre_mask[:, None]  # [Bp, 1, P, P]
+        tokens = prompt_mask.nonzero(as_tuple=True)  # (row [N], slot [N]), row-major
+        last = lengths.cumsum(0) - 1  # [Bp] packed index of each prompt's last token
         cache_shape = (batch, self._n_kv, total, self._head_dim)
         k_caches = [torch.empty(cache_shape, dtype=dtype, device=dev) for _ in self._layers]
         v_caches = [torch.empty(cache_shape, dtype=dtype, device=dev) for _ in self._layers]
-        x = self._embed(prompt_ids)  # [Bp, P, H]
+        x = self._embed(prompt_ids[tokens])  # [N, H]
+        pre_cos, pre_sin = cos[tokens][:, None], sin_signed[tokens][:, None]  # [N, 1, D]
         for i in range(len(self._layers)):
-            x = self._attention_block(
-                i, x, cos[:, :plen], sin[:, :plen], k_caches[i], v_caches[i], 0, pre_mask, prompt_mask
+            # Pad slots are masked, but must hold finite values (0 * NaN is NaN in the attention GEMMs).
+            k_caches[i][:bp, :, :plen].zero_()
+            v_caches[i][:bp, :, :plen].zero_()
+            x = self._prefill_layer(
+                i, x, pre_cos, pre_sin, k_caches[i], v_caches[i], tokens, pre_mask, qk_ws[i]
             )
             if n > 1:  # fan the prompt's K/V out to its n sample rows (rows [0, Bp) were scratch)
                 k_caches[i][:, :, :plen] = k_caches[i][:bp, :, :plen].repeat_interleave(n, dim=0)
                 v_caches[i][:, :, :plen] = v_caches[i][:bp, :, :plen].repeat_interleave(n, dim=0)
-        logits = self._lm_head(self._rms_norm(self._norm, x[:, -1]))  # [Bp, V]
+        logits = self._lm_head(self._rms_norm(self._norm, x[last]))  # [Bp, V]
 
+        # Decode tables, per row: cos/sin of every slot and, when some prompt is padded, an additive
+        # key bias (0 / -inf) already expanded over the KV heads (the attention runs on B * Hkv).
+        cos, sin_signed = cos[:, :, None], sin_signed[:, :, None]  # [Bp, P + N, 1, D]
+        key_bias = None
+        if not bool(prompt_mask.all()):
+            key_bias = torch.zeros((bp, self._n_kv, 1, total), dtype=dtype, device=dev)
+            key_bias[:, :, 0, :plen].masked_fill_(~prompt_mask[:, None], float("-inf"))  # [Bp, Hkv, 1, P+N]
         if n > 1:
             logits = logits.repeat_interleave(n, dim=0)  # [B, V]
-            cos, sin = cos.repeat_interleave(n, dim=0), sin.repeat_interleave(n, dim=0)
-            key_valid = key_valid.repeat_interleave(n, dim=0)
-        key_bias = torch.zeros(key_valid.shape, dtype=dtype, device=dev).masked_fill_(
-            ~key_valid, float("-inf")
-        )
+            cos, sin_signed = cos.repeat_interleave(n, dim=0), sin_signed.repeat_interleave(n, dim=0)
+            if key_bias is not None:
+                key_bias = key_bias.repeat_interleave(n, dim=0)
         out_ids = torch.full((batch, new), self.pad_token_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((batch, new), dtype=torch.float32, device=dev)
         out_mask = torch.zeros((batch, new), dtype=torch.bool, device=dev)
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         rows = torch.arange(batch, device=dev)  # original row of each running row
+        out_rows: torch.Tensor | slice = slice(None)  # rows to write outputs to: all until compaction
         alive = torch.ones(batch, dtype=torch.bool, device=dev)  # [R]
         steps = 0
         for t in range(new):
             tok, lp = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, gen)  # [R]
-            out_ids[rows, t] = torch.where(alive, tok, self.pad_token_id)
-            out_lp[rows, t] = torch.where(alive, lp, 0.0)
-            out_mask[rows, t] = alive
             steps = t + 1
             if stop_ids.numel():
+                out_ids[out_rows, t] = torch.where(alive, tok, self.pad_token_id)
+                out_lp[out_rows, t] = torch.where(alive, lp, 0.0)
+                out_mask[out_rows, t] = alive
                 hit = alive & torch.isin(tok, stop_ids)
                 stopped[rows[hit]] = True
                 alive = alive & ~hit
+            else:  # no stop tokens: every row runs to the end (no masking, no compaction, no sync)
+                out_ids[:, t] = tok
+                out_lp[:, t] = lp
+                out_mask[:, t] = True
             if t + 1 == new:
                 break
-            n_alive = int(alive.sum())
-            if n_alive == 0:
-                break
-            if n_alive <= self.compact_below * rows.numel():
-                keep = alive.nonzero().squeeze(-1)  # [R']
-                k_caches = [c[keep] for c in k_caches]
-                v_caches = [c[keep] for c in v_caches]
-                cos, sin, key_bias = cos[keep], sin[keep], key_bias[keep]
-                rows, alive, tok = rows[keep], alive[keep], tok[keep]
+            if stop_ids.numel():
+                n_alive = int(alive.sum())
+                if n_alive == 0:
+                    break
+                if n_alive <= self.compact_below * rows.numel():
+                    keep = alive.nonzero().squeeze(-1)  # [R']
+                    k_caches = [c[keep] for c in k_caches]
+                    v_caches = [c[keep] for c in v_caches]
+                    cos, sin_signed = cos[keep], sin_signed[keep]
+                    key_bias = key_bias[keep] if key_bias is not None else None
+                    rows, alive, tok = rows[keep], alive[keep], tok[keep]
+                    out_rows = rows
             slot = plen + t
-            x = self._embed(tok[:, None])  # [R, 1, H]
-            step_bias = key_bias[:, None, None, : slot + 1]  # [R, 1, 1, slot + 1]
+            x = self._embed(tok)  # [R, H]
+            step_bias = key_bias[..., : slot + 1] if key_bias is not None else None  # [R, Hkv, 1, slot + 1]
+            step_cos, step_sin = cos[:, slot], sin_signed[:, slot]  # [R, 1, D]
             for i in range(len(self._layers)):
-                x = self._attention_block(
-                    i,
-                    x,
-                    cos[:, slot : slot + 1],
-                    sin[:, slot : slot + 1],
-                    k_caches[i],
-                    v_caches[i],
-                    slot,
-                    step_bias,
-                    None,
+                x = self._decode_layer(
+                    i, x, step_cos, step_sin, k_caches[i], v_caches[i], slot, step_bias, qk_ws[i]
                 )
-            logits = self._lm_head(self._rms_norm(self._norm, x[:, 0]))  # [R, V]
+            logits = self._lm_head(self._rms_norm(self._norm, x))  # [R, V]
 
         finish = ["stop" if s else "length" for s in stopped.tolist()]
         index = torch.arange(bp, device=dev).repeat_interleave(n)

@@ -152,7 +152,7 @@ class AlgorithmConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max gradient norm (0 = off)."""
-    val_every_n_steps: int = 10
+    val_every_n_steps: int = 25
     """Validation period in training steps."""
 
 
@@ -162,7 +162,7 @@ class WarmStartConfig:
 
     enabled: bool = True
     """Run (or load from cache) the warm-start before RL."""
-    steps: int = 600
+    steps: int = 500
     """SFT optimizer steps."""
     batch_size: int = 128
     """SFT batch size."""
@@ -176,7 +176,7 @@ class WarmStartConfig:
 class TrainerConfig:
     """Lightning Trainer settings."""
 
-    max_steps: int = 40
+    max_steps: int = 100
     """Training (rollout) steps."""
     accelerator: str = "cpu"
     """cpu | gpu | auto."""

@@ -13,7 +13,7 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def summarize(history: list[dict[str, float]], window: int = 5) -> dict[str, Any]:
+def summarize(history: list[dict[str, float]], window: int = 10) -> dict[str, Any]:
     """Reward first -> last (means over ``window`` steps), mismatch KL, lambda trajectory."""
     if not history:
         return {"steps": 0}

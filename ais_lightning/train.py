@@ -151,6 +151,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     every = cfg.trainer.checkpoint_every_n_steps * optimizer_steps_per_rollout or None
     checkpoint = ModelCheckpoint(
         dirpath=Path(cfg.output_dir) / "checkpoints",
+        filename="step{step:06d}",  # no "=" in the name: Hydra overrides (ckpt_path=...) take it unquoted
+        auto_insert_metric_name=False,
         save_last=True,
         every_n_train_steps=every,
         save_top_k=-1 if every else 1,
@@ -173,15 +175,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     if logger:
         logger.log_hyperparams(flatten_config(cfg))
+    start_val: dict[str, float] = {}
+    if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
+        (start_val,) = trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
 
     summary = summarize(module.history)
     val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    summary["validation_start"] = {k: float(v) for k, v in start_val.items()}
     summary["validation"] = val
     summary["wall_time_s"] = time.perf_counter() - started
     if trainer.is_global_zero:
         extra = {"warm-start": warm_info, "wall time": f"{summary['wall_time_s']:.0f} s"}
-        extra.update({k: f"{v:.3f}" for k, v in val.items()})
+        for key, value in val.items():
+            before = summary["validation_start"].get(key)
+            extra[key] = (
+                f"{value:.3f}" if before is None else f"{before:.3f} -> {value:.3f} ({value - before:+.3f})"
+            )
         files = write_summary(summary, module.history, cfg.output_dir)
         Path(cfg.output_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         files.append(Path(cfg.output_dir, "config.yaml"))

@@ -158,7 +158,10 @@ class GRPOModule(LightningModule):
         mesh = getattr(self, "device_mesh", None)
         if mesh is None:
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.policy, FSDPModule):  # the hook runs once per trainer.fit/validate call
+            return
 
         dp_mesh = mesh["data_parallel"]
         for layer in self.policy.decoder_layers():

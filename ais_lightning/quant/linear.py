@@ -162,9 +162,11 @@ class QuantLinear(nn.Linear):
                     f"backend 'fp8_gemm' needs in/out features divisible by 16, got {self.in_features}x{self.out_features}"
                 )
         self.backend = backend
-        self.register_buffer("weight_fq", None, persistent=False)  # emulate: fake-quantized weight [N, K]
-        self.register_buffer("weight_fp8_t", None, persistent=False)  # fp8_gemm: [K, N] col-major
-        self.register_buffer("weight_fp8_scale", None, persistent=False)  # fp8_gemm: [] or [1, N]
+        # Caches derived from `weight` (plain attributes, not buffers: they are no model state, so they
+        # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
+        self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K]
+        self.weight_fp8_t: torch.Tensor | None = None  # fp8_gemm: [K, N] col-major
+        self.weight_fp8_scale: torch.Tensor | None = None  # fp8_gemm: [] or [1, N]
         self._packed = None  # int8: fbgemm packed params
         self._stamp = None
         self.refresh()

@@ -117,3 +117,23 @@ def test_sweep_preset_lists_the_four_correctors():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["output_dir=/x", "sweep=correctors"], return_hydra_config=True)
     assert cfg.hydra.sweeper.params.corrector == "none,tis,mis,ais"
+
+
+def test_console_script_finds_the_packaged_configs():
+    """``ais-train`` (the console script) composes from the configs inside the installed package."""
+    import shutil
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).with_name("ais-train")
+    exe = str(script) if script.exists() else shutil.which("ais-train")
+    assert exe, "ais-train is not installed"
+    proc = subprocess.run(
+        [exe, "--cfg", "job", "corrector=tis_geo"], capture_output=True, text=True, timeout=300, cwd="/"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "level: geometric" in proc.stdout
+    help_text = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=300, cwd="/").stdout
+    assert help_text.startswith("ais-train: GRPO on low-precision rollouts")
+    corrector_line = next(line for line in help_text.splitlines() if line.startswith("corrector:"))
+    assert set(options("corrector")) <= {o.strip() for o in corrector_line.split(":")[1].split(",")}

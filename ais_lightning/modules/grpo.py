@@ -27,7 +27,7 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from ais_lightning.diagnostics import MismatchDiagnostics, TokenEntropy
+from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, TokenEntropy
 from ais_lightning.losses import GRPOLoss, TBPOLoss, group_advantages
 from ais_lightning.policy import Policy
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
@@ -147,6 +147,13 @@ class GRPOModule(LightningModule):
         self.reference = copy.deepcopy(policy).requires_grad_(False) if kl_coef > 0 else None
         self.mismatch = MismatchDiagnostics(prefix="mismatch/")
         self.entropy_metric = TokenEntropy()
+        # QaRL's failure mode of quantized rollouts: degenerate, repetitive or garbled "error tokens".
+        self.error_metrics = nn.ModuleDict(
+            {
+                "repeat_frac": ErrorTokenRate("repeat", min_ngram=2),
+                "low_logprob_frac": ErrorTokenRate("low_logprob"),
+            }
+        )
         self.engine: RolloutEngine | None = None
         self.eval_engine: RolloutEngine | None = None
         self.history: list[dict[str, float]] = []
@@ -269,6 +276,8 @@ class GRPOModule(LightningModule):
 
         self.mismatch.update(train_lp, batch.rollout_logprobs, mask)
         self.entropy_metric.update(entropy, mask)
+        self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
+        self.error_metrics["low_logprob_frac"].update(train_lp, mask)
         correction = self.corrector(
             train_lp, batch.rollout_logprobs, mask, advantages=advantages, entropy=entropy
         )
@@ -370,6 +379,9 @@ class GRPOModule(LightningModule):
         entropy = float(self.entropy_metric.compute())
         self.mismatch.reset()
         self.entropy_metric.reset()
+        for name, metric in self.error_metrics.items():
+            stats[f"errors/{name}"] = float(metric.compute())
+            metric.reset()
         stats.update(mismatch)
         stats["train/entropy"] = entropy
         self.log(

@@ -87,7 +87,14 @@ def test_one_step_updates_the_policy_and_syncs_the_engine():
     assert trainer.global_step == 1
     assert any(not torch.equal(before[k], after[k]) for k in before)
     metrics = trainer.callback_metrics
-    for key in ("reward/mean", "mismatch/kl_k3", "ais/lambda", "loss/pg_loss", "train/entropy"):
+    for key in (
+        "reward/mean",
+        "mismatch/kl_k3",
+        "ais/lambda",
+        "loss/pg_loss",
+        "train/entropy",
+        "errors/repeat_frac",
+    ):
         assert torch.isfinite(metrics[key]), key
     assert metrics["mismatch/kl_k3"] < 1e-9, "fp32 engine and fp32 trainer agree"
     assert len(module.history) == 1

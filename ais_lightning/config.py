@@ -146,13 +146,13 @@ class AlgorithmConfig:
     """Passes over each rollout batch."""
     mini_batches: int = 1
     """Optimizer steps per pass (the rollout batch is split into this many mini-batches)."""
-    lr: float = 1e-4
+    lr: float = 3e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max gradient norm (0 = off)."""
-    val_every_n_steps: int = 25
+    val_every_n_steps: int = 50
     """Validation period in training steps."""
 
 
@@ -176,7 +176,7 @@ class WarmStartConfig:
 class TrainerConfig:
     """Lightning Trainer settings."""
 
-    max_steps: int = 100
+    max_steps: int = 200
     """Training (rollout) steps."""
     accelerator: str = "cpu"
     """cpu | gpu | auto."""

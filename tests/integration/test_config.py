@@ -137,3 +137,26 @@ def test_console_script_finds_the_packaged_configs():
     assert help_text.startswith("ais-train: GRPO on low-precision rollouts")
     corrector_line = next(line for line in help_text.splitlines() if line.startswith("corrector:"))
     assert set(options("corrector")) <= {o.strip() for o in corrector_line.split(":")[1].split(",")}
+
+
+def test_fsdp_gpu_strategy_fails_clearly_without_cuda():
+    import torch
+
+    from ais_lightning.train import _strategy
+
+    cfg = make("trainer=fsdp_gpu")
+    validate(cfg)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the strategy builds (covered by the GPU test)")
+    with pytest.raises(ValueError, match="trainer.strategy=fsdp"):
+        _strategy(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_fsdp_gpu_strategy_builds_on_cuda():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from ais_lightning.train import _strategy
+
+    assert isinstance(_strategy(make("trainer=fsdp_gpu")), FSDPStrategy)

@@ -92,6 +92,26 @@ def aggregate(
     return total / count.clamp(min=1).to(x.dtype)
 
 
+def check_policy_loss_inputs(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Validate the inputs every policy loss shares; returns ``advantages`` broadcast to ``[B, T]``.
+
+    ``advantages`` may be ``[B]`` (one per sequence) or ``[B, T]``; errors name the tensor.
+    """
+    check_mask(mask)
+    check_token_tensor(logprobs, "logprobs", mask)
+    check_token_tensor(old_logprobs, "old_logprobs", mask)
+    if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
+        if advantages.shape[0] != mask.shape[0]:
+            raise ValueError(
+                f"advantages has shape {tuple(advantages.shape)}; expected [B]={mask.shape[0]} or [B, T]"
+            )
+        advantages = advantages.unsqueeze(-1).expand(mask.shape)  # [B, T]
+    check_token_tensor(advantages, "advantages", mask)
+    return advantages
+
+
 class GRPOLoss(nn.Module):
     """PPO-clip policy-gradient loss for GRPO with IS weights, k3 KL and entropy bonus.
 
@@ -188,16 +208,7 @@ class GRPOLoss(nn.Module):
             entropy: ``[B, T]`` token entropies of pi_theta for the bonus (keeps its grad).
             denominator: positive count replacing the aggregation's token/sequence count.
         """
-        check_mask(mask)
-        check_token_tensor(logprobs, "logprobs", mask)
-        check_token_tensor(old_logprobs, "old_logprobs", mask)
-        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
-            if advantages.shape[0] != mask.shape[0]:
-                raise ValueError(
-                    f"advantages has shape {tuple(advantages.shape)}; expected [B]={mask.shape[0]} or [B, T]"
-                )
-            advantages = advantages.unsqueeze(-1).expand(mask.shape)  # [B, T]
-        check_token_tensor(advantages, "advantages", mask)
+        advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
         if weights is not None:
             if self.mode == "bypass":
                 raise ValueError(

@@ -41,8 +41,8 @@ import math
 import torch
 from torch import nn
 
-from ais_lightning.losses.grpo import LossOutput, aggregate
-from ais_lightning.ops import check_mask, check_token_tensor, log_ratio, masked_mean, sequence_log_ratio
+from ais_lightning.losses.grpo import LossOutput, aggregate, check_policy_loss_inputs
+from ais_lightning.ops import check_token_tensor, log_ratio, masked_mean, sequence_log_ratio
 
 
 def geometric_log_ratio(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -143,16 +143,7 @@ class TBPOLoss(nn.Module):
             denominator: positive count replacing the number of kept sequences (micro-batches of one
                 mini-batch, each divided by the mini-batch's kept count, then sum to its loss).
         """
-        check_mask(mask)
-        check_token_tensor(logprobs, "logprobs", mask)
-        check_token_tensor(old_logprobs, "old_logprobs", mask)
-        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
-            if advantages.shape[0] != mask.shape[0]:
-                raise ValueError(
-                    f"advantages has shape {tuple(advantages.shape)}; expected [B]={mask.shape[0]} or [B, T]"
-                )
-            advantages = advantages.unsqueeze(-1).expand(mask.shape)  # [B, T]
-        check_token_tensor(advantages, "advantages", mask)
+        advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
         if rollout_logprobs is not None:
             check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
         if denominator is not None and not bool(torch.as_tensor(denominator) > 0):

@@ -168,6 +168,8 @@ class WarmStartConfig:
     """SFT batch size."""
     lr: float = 3e-3
     """SFT AdamW learning rate."""
+    seed: int | None = None
+    """SFT seed; null = the run's ``seed``. Fix it to start every RL seed from one checkpoint."""
     cache_dir: str | None = None
     """Where warm-started models are cached (default ~/.cache/ais_lightning/warmstart)."""
 

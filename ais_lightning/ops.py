@@ -12,6 +12,22 @@ LOG_RATIO_CLAMP = 20.0
 """Log-ratios log(pi) - log(mu) are clamped to +-20 before ``exp`` (design.md section 3)."""
 
 
+def pad_sequences(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token-id lists to ``(ids [B, L] long, mask [B, L] bool)`` on the ``left`` or ``right``."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    length = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)  # [B, L]
+    mask = torch.zeros((len(seqs), length), dtype=torch.bool)  # [B, L]
+    for i, s in enumerate(seqs):
+        if not s:
+            continue
+        cols = slice(length - len(s), length) if side == "left" else slice(0, len(s))
+        ids[i, cols] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, cols] = True
+    return ids, mask
+
+
 def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
     """Raise ValueError unless ``mask`` is a 2-D bool tensor."""
     if not isinstance(mask, torch.Tensor):

@@ -9,6 +9,8 @@ configuration; the std is omitted when a configuration has a single run; metric 
 defaults, see ``metric_names`` in report.json for the ones actually read):
 
 - final / best validation accuracy: the value at the highest logged step / the maximum over steps;
+- val acc gain: final minus first (lowest-step) validation accuracy of the same run, so a spread
+  of starting points across seeds (e.g. seed-dependent warm starts) cancels; needs >= 2 values;
 - final reward: ``summary/reward_last`` when logged, else the last ``reward/mean``;
 - mismatch KL, rollout tokens/s: the mean over all logged steps of the run;
 - wall time: ``summary/wall_time_s`` when logged, else the run's end time - start time;
@@ -154,6 +156,7 @@ class Row:
 COLUMNS = (
     ("final_val_accuracy", "final val acc", "{:.3f}"),
     ("best_val_accuracy", "best val acc", "{:.3f}"),
+    ("val_accuracy_gain", "val acc gain", "{:+.3f}"),
     ("final_reward", "final reward", "{:.3f}"),
     ("mean_mismatch_kl", "mean mismatch KL", "{:.2e}"),
     ("rollout_tokens_per_s", "rollout tok/s", "{:.1f}"),
@@ -224,18 +227,23 @@ def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(step, by_step[step][1]) for step in sorted(by_step)]
 
 
-def load_runs(tracking_uri: str, experiment: str, metric_names: MetricNames | None = None) -> list[RunRecord]:
+def load_runs(
+    tracking_uri: str,
+    experiment: str,
+    metric_names: MetricNames | None = None,
+    extra_keys: tuple[str, ...] | list[str] = (),
+) -> list[RunRecord]:
     """All active runs of ``experiment`` (by name, or by id) at ``tracking_uri``, any status.
 
     Histories are fetched with ``MlflowClient.get_metric_history`` for every metric in
-    ``metric_names`` that the run logged. Raises ReportError when the store or the experiment does
-    not exist.
+    ``metric_names`` and ``extra_keys`` that the run logged. Raises ReportError when the store or
+    the experiment does not exist.
     """
     names = metric_names or MetricNames()
     check_store_exists(tracking_uri)
     client = _client(tracking_uri)
     exp = _find_experiment(client, experiment, tracking_uri)
-    wanted = {getattr(names, f.name) for f in dataclasses.fields(names)}
+    wanted = {getattr(names, f.name) for f in dataclasses.fields(names)} | set(extra_keys)
     records: list[RunRecord] = []
     token = None
     while True:
@@ -327,6 +335,7 @@ def run_values(run: RunRecord, names: MetricNames) -> dict[str, float]:
     return {
         "final_val_accuracy": acc[-1] if acc else nan,
         "best_val_accuracy": max(acc) if acc else nan,
+        "val_accuracy_gain": acc[-1] - acc[0] if len(acc) > 1 else nan,
         "final_reward": final_reward,
         "mean_mismatch_kl": statistics.fmean(kl) if kl else nan,
         "rollout_tokens_per_s": statistics.fmean(tps) if tps else nan,
@@ -359,9 +368,11 @@ def aggregate(
     corrector_key: str = "corrector.name",
     baseline_precision: str = "fp32",
     no_correction: str = "none",
+    extra_keys: tuple[str, ...] | list[str] = (),
 ) -> list[Row]:
     """One Row per distinct ``group_by`` value tuple of the (FINISHED) ``runs``, sorted by it
-    (an empty ``group_by`` gives a single row).
+    (an empty ``group_by`` gives a single row). ``row.histories`` holds the PLOTTED metrics under
+    their MetricNames field and every ``extra_keys`` metric under its own key.
 
     The gap-recovered value is filled when both ``precision_key`` and ``corrector_key`` are group
     keys (see the module docstring).
@@ -378,6 +389,7 @@ def aggregate(
         per_run = [run_values(r, names) for r in members]
         stats = {col: _stat([v[col] for v in per_run]) for col, _, _ in COLUMNS}
         histories = {fname: mean_history(members, getattr(names, fname)) for fname, _, _ in PLOTTED}
+        histories.update({key: mean_history(members, key) for key in extra_keys})
         rows.append(
             Row(
                 group=dict(zip(group_by, key)),
@@ -434,7 +446,7 @@ def format_stat(stat: Stat, fmt: str) -> str:
         return "-"
     text = fmt.format(stat.mean)
     if stat.n > 1:
-        text += " ± " + fmt.format(stat.std)
+        text += " ± " + fmt.replace("+", "").format(stat.std)  # a sign flag is for the mean only
     return text
 
 
@@ -503,12 +515,36 @@ def write_markdown(
     return path
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _line_styles(rows: list[Row]) -> dict[int, tuple[Any, str]]:
+    """``id(row) -> (color, linestyle)``, distinct for up to 10 x 4 rows: with two or more group
+    keys the last key picks the color and the first the line style (e.g. corrector -> color,
+    precision -> style); with one key, the colors cycle and the style changes every 10 rows."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10"].colors
+    keys = list(rows[0].group) if rows else []
+    out: dict[int, tuple[Any, str]] = {}
+    if len(keys) >= 2:
+        colors = sorted({r.group[keys[-1]] for r in rows})
+        styles = sorted({r.group[keys[0]] for r in rows})
+        for r in rows:
+            c, st = colors.index(r.group[keys[-1]]), styles.index(r.group[keys[0]])
+            out[id(r)] = (palette[c % len(palette)], LINE_STYLES[st % len(LINE_STYLES)])
+    else:
+        for i, r in enumerate(rows):
+            out[id(r)] = (palette[i % len(palette)], LINE_STYLES[(i // len(palette)) % len(LINE_STYLES)])
+    return out
+
+
 def plot_metric(
     rows: list[Row], metric: str, path: str | Path, ylabel: str | None = None, log_y: bool = False
 ) -> Path | None:
     """One line per row of ``row.histories[metric]`` vs step, a ± std band where > 1 run.
 
-    ``metric`` is a MetricNames field name. ``log_y`` uses a log y-axis when every plotted mean is
+    ``metric`` is a MetricNames field name or an extra metric key. ``log_y`` uses a log y-axis when every plotted mean is
     > 0. Returns None (and writes nothing) when no row has the metric.
     """
     with_data = [r for r in rows if metric in r.histories]
@@ -519,11 +555,20 @@ def plot_metric(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    styles = _line_styles(with_data)
     for row in with_data:
         h = row.histories[metric]
         label = (", ".join(row.group.values()) or "all runs") + f" (n={len(row.run_ids)})"
-        (line,) = ax.plot(h["step"], h["mean"], label=label, marker="." if len(h["step"]) < 30 else None)
+        color, linestyle = styles[id(row)]
+        (line,) = ax.plot(
+            h["step"],
+            h["mean"],
+            label=label,
+            color=color,
+            linestyle=linestyle,
+            marker="." if len(h["step"]) < 30 else None,
+        )
         lo = [m - s if n > 1 else m for m, s, n in zip(h["mean"], h["std"], h["n"])]
         hi = [m + s if n > 1 else m for m, s, n in zip(h["mean"], h["std"], h["n"])]
         if any(n > 1 for n in h["n"]):
@@ -533,7 +578,7 @@ def plot_metric(
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel or metric)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
@@ -591,9 +636,9 @@ class Report:
     json: Path
     """The aggregated numbers (``report.json``)."""
     plots: dict[str, Path]
-    """MetricNames field -> PNG."""
+    """MetricNames field (or extra metric key) -> PNG."""
     skipped_plots: dict[str, str]
-    """MetricNames field -> why it was not plotted."""
+    """MetricNames field (or extra metric key) -> why it was not plotted."""
     rows: list[Row]
     """The table rows."""
     excluded: list[RunRecord]
@@ -606,16 +651,22 @@ def build_report(
     out_dir: str | Path,
     group_by: list[str] | None = None,
     metric_names: MetricNames | None = None,
+    extra_plots: list[str] | None = None,
 ) -> Report:
-    """Load, aggregate and write ``report.md``, ``report.json`` and ``<metric>.png`` into ``out_dir``."""
+    """Load, aggregate and write ``report.md``, ``report.json`` and ``<metric>.png`` into ``out_dir``.
+
+    ``extra_plots``: further metric keys (e.g. ``ais/severity``) plotted vs step like the
+    PLOTTED ones, one PNG each named after the key.
+    """
     names = metric_names or MetricNames()
-    runs = load_runs(tracking_uri, experiment, names)
+    extra = list(dict.fromkeys(extra_plots or []))
+    runs = load_runs(tracking_uri, experiment, names, extra_keys=extra)
     finished, excluded = split_finished(runs, experiment)
     keys = resolve_group_by(finished, group_by)
     missing = [k for k in keys if not any(k in r.params for r in finished)]
     if missing:
         raise ReportError(f"group-by param(s) {missing} not logged by any finished run of {experiment!r}")
-    rows = aggregate(finished, keys, names)
+    rows = aggregate(finished, keys, names, extra_keys=extra)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -628,6 +679,12 @@ def build_report(
             skipped[fname] = f"metric {key!r} not logged by any finished run"
         else:
             plots[fname] = png
+    for key in extra:
+        png = plot_metric(rows, key, out / f"{_slug(key)}.png", ylabel=key)
+        if png is None:
+            skipped[key] = f"metric {key!r} not logged by any finished run"
+        else:
+            plots[key] = png
 
     notes = []
     within = sorted(

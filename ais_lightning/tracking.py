@@ -54,13 +54,21 @@ def flatten_config(cfg: DictConfig | dict[str, Any], prefix: str = "") -> dict[s
     return flat
 
 
+RUN_NAME_EXCLUDED = ("logger.tracking_uri", "ckpt_path")
+"""Overrides left out of the default run name: where the run is logged or resumed from, not what it is."""
+
+
 def run_name_from_overrides() -> str | None:
     """``corrector=ais,rollout=fp8`` from Hydra's task overrides (None outside Hydra)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         if HydraConfig.initialized():
-            overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.")]
+            overrides = [
+                o
+                for o in HydraConfig.get().overrides.task
+                if not o.startswith(("hydra.", "hydra/")) and o.split("=", 1)[0] not in RUN_NAME_EXCLUDED
+            ]
             return ",".join(overrides) or "default"
     except ImportError:  # pragma: no cover
         pass
@@ -89,3 +97,15 @@ def build_logger(cfg: DictConfig) -> Any:
         artifact_location=artifact_location,
         synchronous=True,
     )
+
+
+def reopen_run(logger: Any) -> None:
+    """Mark ``logger``'s MLflow run RUNNING again after a Lightning stage finalized it.
+
+    Lightning finalizes every logger ("success" -> FINISHED) at the end of *each* stage, so a
+    ``trainer.validate`` before ``trainer.fit`` leaves the run FINISHED during training: a sweep
+    report would average it as done and a killed run would look complete. ``fit`` finalizes it
+    again (FINISHED, or FAILED on an exception). No-op for other loggers.
+    """
+    if logger and hasattr(logger, "run_id") and hasattr(logger, "experiment"):
+        logger.experiment.update_run(logger.run_id, status="RUNNING")

@@ -72,7 +72,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.summary import format_summary, summarize, write_summary
     from ais_lightning.tasks import PromptDataModule
-    from ais_lightning.tracking import build_logger, flatten_config
+    from ais_lightning.tracking import build_logger, flatten_config, reopen_run
     from ais_lightning.warmstart import warm_start
 
     # --- cheap checks first: nothing heavy is built before the config is known to be sound.
@@ -101,7 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             steps=cfg.warmstart.steps,
             batch_size=cfg.warmstart.batch_size,
             lr=cfg.warmstart.lr,
-            seed=cfg.seed,
+            seed=cfg.seed if cfg.warmstart.seed is None else cfg.warmstart.seed,
             cache_dir=cfg.warmstart.cache_dir,
             progress_bar=cfg.trainer.enable_progress_bar,
         )
@@ -178,6 +178,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     start_val: dict[str, float] = {}
     if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
         (start_val,) = trainer.validate(module, datamodule=data, verbose=False)
+        reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
 
     summary = summarize(module.history)

@@ -68,7 +68,17 @@ CONFIGS = {
         ),
     ),
 }
-ENGINES = ("hf-fp32", "hf-int8", "torch-fp32", "torch-bf16", "torch-fp8", "torch-fp4", "torch-int8", "vllm")
+ENGINES = (
+    "hf-fp32",
+    "hf-int8",
+    "torch-fp32",
+    "torch-bf16",
+    "torch-fp8",
+    "torch-fp4",
+    "torch-int8",
+    "vllm-fp32",
+    "vllm-bf16",
+)
 
 
 def _rss_bytes() -> int:
@@ -182,10 +192,10 @@ def run_torch(model: nn.Module, prompts: list[list[int]], new: int, precision: s
     return elapsed, weight_bytes(engine.model), run_mem.peak_delta
 
 
-def run_vllm(model: nn.Module, prompts: list[list[int]], new: int) -> tuple[float, int, int]:
+def run_vllm(model: nn.Module, prompts: list[list[int]], new: int, precision: str) -> tuple[float, int, int]:
     from ais_lightning.rollout.factory import build_engine
 
-    engine = build_engine("vllm", model, precision="bf16")
+    engine = build_engine("vllm", model, precision=precision)
     engine.generate(prompts, SamplingConfig(max_new_tokens=2, seed=0))
     with PeakRSS() as run_mem:
         start = time.perf_counter()
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                 elif kind == "torch":
                     res = run_torch(model, prompts, cfg.new_tokens, precision)
                 else:
-                    res = run_vllm(model, prompts, cfg.new_tokens)
+                    res = run_vllm(model, prompts, cfg.new_tokens, precision)
             except (ImportError, ValueError) as err:
                 skipped[name] = str(err).splitlines()[0]
                 print(f"{name}: skipped ({skipped[name]})", flush=True)
@@ -252,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "engine": name,
                 "tokens_per_s": tok_s,
                 "ms_per_step": 1000 * elapsed / cfg.new_tokens,
-                "weights_mb": wbytes / 2**20,
+                "weights_mb": wbytes / 2**20 if wbytes >= 0 else None,
                 "run_peak_mb": run_b / 2**20,
                 "roofline_fraction": tok_s * 2 * params / rate,
                 "roofline_rate": "int8" if precision == "int8" else "fp32",
@@ -262,9 +272,14 @@ def main(argv: list[str] | None = None) -> dict:
     base = next(
         (r["tokens_per_s"] for r in rows if r["engine"] == "torch-fp32" and "tokens_per_s" in r), None
     )
+    hf_base = next(
+        (r["tokens_per_s"] for r in rows if r["engine"] == "hf-fp32" and "tokens_per_s" in r), None
+    )
     for r in rows:
         if base and "tokens_per_s" in r:
             r["vs_torch_fp32"] = r["tokens_per_s"] / base
+        if hf_base and "tokens_per_s" in r:
+            r["vs_hf_fp32"] = r["tokens_per_s"] / hf_base
     result = {
         "config": args.config,
         "shape": asdict(cfg),
@@ -292,16 +307,16 @@ def markdown_table(result: dict) -> str:
         f"{result['linear_params'] / 1e6:.2f}M linear params, {result['threads']} threads; "
         f"GEMM fp32 {g['fp32']:.1f} GFLOP/s, int8 {g['int8']:.1f} GFLOP/s",
         "",
-        "| engine | tok/s | ms/step | vs torch-fp32 | roofline | weights MB | run peak RSS MB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| engine | tok/s | ms/step | vs torch-fp32 | vs hf-fp32 | roofline | weights MB | run peak RSS MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['engine']} | skipped: {r['skipped'][:60]} | | | | | |")
+            lines.append(f"| {r['engine']} | skipped: {r['skipped'][:60]} | | | | | | |")
             continue
         lines.append(
-            f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r.get('vs_torch_fp32', 0):.2f}x "
-            f"| {100 * r['roofline_fraction']:.1f}% ({r['roofline_rate']}) | {r['weights_mb']:.0f} | {r['run_peak_mb']:.0f} |"
+            f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r.get('vs_torch_fp32', 0):.2f}x | {r.get('vs_hf_fp32', 0):.2f}x "
+            f"| {100 * r['roofline_fraction']:.1f}% ({r['roofline_rate']}) | {'n/a' if r['weights_mb'] is None else format(r['weights_mb'], '.0f')} | {r['run_peak_mb']:.0f} |"
         )
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@
 Usage:
   .venv/bin/python tools/sweep_report.py --tracking-uri sqlite:///multirun/.../mlflow.db \\
       --experiment ais-lightning --out reports/sweep1 [--group-by rollout.precision,corrector.name] \\
-      [--metric-map val_accuracy=val/accuracy_trainer]
+      [--metric-map val_accuracy=val/accuracy_trainer] [--plot ais/severity --plot ais/reliability]
 
 Writes into --out: report.md (one row per configuration, seeds averaged: mean ± sample std),
 report.json (the same numbers, plus mean histories), and one PNG per metric vs step
@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=KEY[,NAME=KEY]",
         help=f"override metric keys (repeatable). Names and defaults: {names}",
     )
+    parser.add_argument(
+        "--plot",
+        action="append",
+        default=[],
+        metavar="METRIC_KEY",
+        help="also plot this logged metric vs step per configuration (repeatable), e.g. ais/severity",
+    )
     return parser
 
 
@@ -75,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     group_by = [k.strip() for k in args.group_by.split(",") if k.strip()] if args.group_by else None
     try:
         report = build_report(
-            args.tracking_uri, args.experiment, args.out, group_by=group_by, metric_names=names
+            args.tracking_uri,
+            args.experiment,
+            args.out,
+            group_by=group_by,
+            metric_names=names,
+            extra_plots=args.plot,
         )
     except ReportError as err:
         print(f"sweep_report: error: {err}", file=sys.stderr)

@@ -274,7 +274,9 @@ class GRPOModule(LightningModule):
         if not finite:
             return None, stats
 
-        self.mismatch.update(train_lp, batch.rollout_logprobs, mask)
+        # The same advantages and entropy as the corrector: mismatch/ais_lambda is the lambda AIS
+        # would use (each metric takes only the arguments its update() accepts).
+        self.mismatch.update(train_lp, batch.rollout_logprobs, mask, advantages=advantages, entropy=entropy)
         self.entropy_metric.update(entropy, mask)
         self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
         self.error_metrics["low_logprob_frac"].update(train_lp, mask)

@@ -12,24 +12,8 @@ from typing import Any
 import torch
 from lightning import LightningModule
 
-from ais_lightning.ops import masked_mean
+from ais_lightning.ops import masked_mean, pad_sequences
 from ais_lightning.policy import Policy
-
-
-def pad_sequences(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token-id lists to ``[B, L]`` on the ``left`` or ``right``; returns (ids, mask)."""
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    length = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)  # [B, L]
-    mask = torch.zeros((len(seqs), length), dtype=torch.bool)  # [B, L]
-    for i, s in enumerate(seqs):
-        if not s:
-            continue
-        cols = slice(length - len(s), length) if side == "left" else slice(0, len(s))
-        ids[i, cols] = torch.as_tensor(s, dtype=torch.long)
-        mask[i, cols] = True
-    return ids, mask
 
 
 def encode_pairs(

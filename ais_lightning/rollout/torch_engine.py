@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ais_lightning.ops import pad_sequences
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
 from ais_lightning.rollout.sampling import make_generator, sample_next
 
@@ -75,14 +76,7 @@ def _linear_residual(x: torch.Tensor, h: torch.Tensor, linear: nn.Module) -> tor
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token-id lists into ``(ids [B, P] long, mask [B, P] bool)``."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = True
-    return ids, mask
+    return pad_sequences(prompts, pad_token_id, "left")
 
 
 class TorchRolloutEngine:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.integration.helpers import SMOKE, run_train
+from tests.mlflow_server import mlflow_server
 
 pytestmark = pytest.mark.slow
 
@@ -55,47 +54,8 @@ def test_multirun_lands_as_four_mlflow_runs_in_one_experiment(tmp_path: Path):
     assert 0.0 <= ais.data.metrics["ais/lambda"] <= 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_arrive_at_a_real_mlflow_server(tmp_path: Path):
-    port = _free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--default-artifact-root",
-            str(tmp_path / "server-artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline or server.poll() is not None:
-                raise AssertionError("mlflow server did not come up")
-            time.sleep(1)
+    with mlflow_server(tmp_path) as uri:
         run_train(
             [*SMOKE, "logger=mlflow", f"logger.tracking_uri={uri}", "logger.experiment_name=server_test"],
             cwd=tmp_path,
@@ -106,16 +66,16 @@ def test_metrics_arrive_at_a_real_mlflow_server(tmp_path: Path):
         assert run.info.status == "FINISHED"
         assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
         assert run.data.params["corrector.name"] == "ais"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "summary.json", "summary.png"} <= artifacts
 
 
 def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
-    """Kill a run after its step-2 checkpoint; resuming from it reproduces the uninterrupted run."""
+    """Kill a run after its step-2 checkpoint; resuming from it reproduces the uninterrupted run.
+
+    The killed run logs to MLflow: it must not look FINISHED (Lightning finalizes the logger after
+    the validation that precedes training; ``ais-train`` reopens the run), so a sweep report never
+    averages it."""
     common = [
         *SMOKE,
         "logger=none",
@@ -129,9 +89,18 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
     assert len(expected) == 4
 
     killed = tmp_path / "killed"
+    store = f"sqlite:///{tmp_path / 'killed.db'}"
     env = {"TOKENIZERS_PARALLELISM": "false", "AIS_LIGHTNING_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ais_lightning.train", *common, f"hydra.run.dir={killed}"],
+        [
+            sys.executable,
+            "-m",
+            "ais_lightning.train",
+            *common,
+            f"hydra.run.dir={killed}",
+            "logger=mlflow",
+            f"logger.tracking_uri={store}",
+        ],
         cwd=tmp_path,
         env={**__import__("os").environ, **env},
         stdout=subprocess.DEVNULL,
@@ -151,6 +120,13 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
     time.sleep(
         0.5
     )  # let a checkpoint being written when killed settle (it is written atomically by Lightning)
+
+    (run,) = MlflowClient(tracking_uri=store).search_runs(
+        [MlflowClient(tracking_uri=store).get_experiment_by_name("ais_lightning").experiment_id]
+    )
+    assert run.info.status == "RUNNING", "a killed run must not look FINISHED"
+    assert len(run.data.params) > 10 and "val/accuracy_engine" in run.data.metrics
+    assert "tracking_uri" not in run.info.run_name, run.info.run_name
 
     resumed = tmp_path / "resumed"
     run_train([*common, f"hydra.run.dir={resumed}", f"ckpt_path={step2}"], cwd=tmp_path)

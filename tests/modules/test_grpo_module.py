@@ -105,6 +105,15 @@ def test_one_step_updates_the_policy_and_syncs_the_engine():
             torch.testing.assert_close(engine_state[name], value)
 
 
+def test_logged_lambda_diagnostic_is_the_lambda_ais_uses():
+    """mismatch/ais_lambda sees the corrector's advantages and entropy, so on the same batch it
+    equals the AIS corrector's own lambda (no EMA); without the entropy it would assume H = 1."""
+    module = _module(engine_factory=lambda m: TorchRolloutEngine(m, precision="fp4"))
+    metrics = _fit(module).callback_metrics
+    assert metrics["ais/lambda"] > 0, "fp4 rollouts of the tiny model mismatch the fp32 trainer"
+    torch.testing.assert_close(metrics["mismatch/ais_lambda"], metrics["ais/lambda"], rtol=1e-5, atol=1e-7)
+
+
 def test_nonfinite_rollout_logprobs_skip_the_update():
     module = _module(engine_factory=NaNRollouts)
     before = _weights(module)

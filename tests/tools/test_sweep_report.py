@@ -9,13 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +28,7 @@ from ais_lightning.report import (
     resolve_group_by,
     split_finished,
 )
+from tests.mlflow_server import mlflow_server
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "sweep_report.py"
@@ -161,6 +157,7 @@ def test_table_values_are_the_hand_computed_means_and_stds(sweep):
     assert fp8_none["n seeds"] == "2"
     assert fp8_none["final val acc"] == "0.450 ± 0.071"  # 0.4, 0.5
     assert fp8_none["best val acc"] == "0.550 ± 0.071"  # 0.6, 0.5
+    assert fp8_none["val acc gain"] == "+0.300 ± 0.000"  # 0.4 - 0.1, 0.5 - 0.2
     assert fp8_none["final reward"] == "0.850 ± 0.071"  # summary/reward_last 0.8, 0.9
     assert fp8_none["mean mismatch KL"] == "2.50e-03 ± 7.07e-04"  # run means 2e-3, 3e-3
     assert fp8_none["rollout tok/s"] == "300.0 ± 141.4"  # run means 200, 400
@@ -168,6 +165,7 @@ def test_table_values_are_the_hand_computed_means_and_stds(sweep):
     assert _row(rows, "fp32", "none")["best val acc"] == "0.700 ± 0.141"  # 0.6, 0.8
     assert _row(rows, "fp32", "none")["mean mismatch KL"] == "2.50e-06 ± 7.07e-07"
     assert _row(rows, "int8", "ais")["final val acc"] == "0.500 ± 0.141"  # 0.4, 0.6
+    assert _row(rows, "int8", "ais")["val acc gain"] == "+0.500 ± 0.141"  # 0.4 - 0, 0.6 - 0
     # no summary metrics for int8/ais: last reward/mean (0.5, 0.7)
     assert _row(rows, "int8", "ais")["final reward"] == "0.600 ± 0.141"
     # the FAILED fp8/ais seed-2 run (accuracy 0) is not averaged: 0.55, 0.55
@@ -255,6 +253,23 @@ def test_group_by_and_metric_map_options(sweep, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_extra_plots_of_any_logged_metric(sweep, tmp_path, capsys):
+    cli = _load_cli()
+    out = tmp_path / "extra"
+    args = ["--tracking-uri", sweep["uri"], "--experiment", "sweep", "--out", str(out)]
+    assert cli.main(args + ["--plot", "val/accuracy_trainer", "--plot", "no/such_metric"]) == 0
+    assert (out / "val_accuracy_trainer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "no_such_metric.png").exists()
+    data = json.loads((out / "report.json").read_text())
+    assert "no/such_metric" in data["skipped_plots"]
+    for row in data["rows"]:  # every run logged 0.9 at steps 0, 10, 20
+        assert row["histories"]["val/accuracy_trainer"]["mean"] == pytest.approx([0.9, 0.9, 0.9])
+        assert row["histories"]["val/accuracy_trainer"]["step"] == STEPS
+    assert "![val/accuracy_trainer](val_accuracy_trainer.png)" in (out / "report.md").read_text()
+    capsys.readouterr()
+
+
+@pytest.mark.slow
 def test_missing_experiment_and_no_finished_runs_are_clear_errors(sweep, tmp_path, capsys):
     cli = _load_cli()
     base = ["--tracking-uri", sweep["uri"], "--out", str(tmp_path)]
@@ -312,6 +327,7 @@ def test_help_names_every_option():
         "--out",
         "--group-by",
         "--metric-map",
+        "--plot",
         "val/accuracy_engine",
     ):
         assert option in proc.stdout
@@ -425,48 +441,9 @@ def test_metric_names_overrides_and_cli_metric_map_parsing():
 # ---------------------------------------------------------------------------- real mlflow server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (uvicorn workers included), SIGKILL after 20 s."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 @pytest.mark.slow
 def test_report_from_a_real_mlflow_server(tmp_path, capsys):
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--workers", "1"]
-    cmd += ["--default-artifact-root", str(tmp_path / "artifacts")]
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in finally
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "mlflow server did not answer /health"
-            time.sleep(0.5)
+    with mlflow_server(tmp_path) as url:
         from mlflow import MlflowClient
 
         client = MlflowClient(url)
@@ -479,7 +456,20 @@ def test_report_from_a_real_mlflow_server(tmp_path, capsys):
         assert _row(rows, "fp8", "none")["final val acc"] == "0.450 ± 0.071"
         assert _row(rows, "fp8", "ais")["final val acc"] == "0.550"  # one seed: no ± part
         assert (tmp_path / "r" / "val_accuracy.png").read_bytes()[:8] == PNG_MAGIC
-    finally:
-        _stop_group(server)
-        log.close()
     capsys.readouterr()
+
+
+def test_line_styles_color_by_last_key_style_by_first():
+    from ais_lightning.report import LINE_STYLES, Row, _line_styles
+
+    rows = [
+        Row({"rollout.precision": p, "corrector.name": c}, [], [], {})
+        for p in ("fp4", "fp8", "int8")
+        for c in ("ais", "none", "tis")
+    ]
+    styles = _line_styles(rows)
+    by = {(r.group["rollout.precision"], r.group["corrector.name"]): styles[id(r)] for r in rows}
+    assert by[("fp4", "ais")][0] == by[("int8", "ais")][0] != by[("fp4", "none")][0]
+    assert by[("fp4", "ais")][1] == by[("fp4", "tis")][1] == LINE_STYLES[0]
+    assert by[("int8", "ais")][1] == LINE_STYLES[2]
+    assert len(set(styles.values())) == len(rows), "every configuration has its own look"

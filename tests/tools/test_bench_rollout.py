@@ -1,0 +1,71 @@
+"""Rollout benchmark tool: one real (tiny, 2-token) run writes consistent JSON and a markdown table.
+
+Speed itself is never asserted here (noisy machines); only that the reported ratios are derived
+from the reported tokens/s of the same run and that every requested engine has a row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_rollout.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_rollout_cli", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_rows_ratios_and_table(tmp_path):
+    bench = _load_tool()
+    out = tmp_path / "bench.json"
+    engines = ["hf-fp32", "torch-fp32", "torch-int8"]
+    result = bench.main(["--config", "tiny", "--engines", *engines, "--new-tokens", "2", "--out", str(out)])
+
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"]
+    rows = {r["engine"]: r for r in saved["rows"]}
+    assert list(rows) == engines
+    base, hf = rows["torch-fp32"]["tokens_per_s"], rows["hf-fp32"]["tokens_per_s"]
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0
+        assert r["vs_torch_fp32"] == pytest.approx(r["tokens_per_s"] / base)
+        assert r["vs_hf_fp32"] == pytest.approx(r["tokens_per_s"] / hf)
+        # ms per step and tokens/s describe the same timing: batch * 1000 / ms_per_step
+        assert r["tokens_per_s"] == pytest.approx(saved["shape"]["batch"] * 1000 / r["ms_per_step"])
+    assert rows["torch-int8"]["roofline_rate"] == "int8"
+    assert rows["torch-fp32"]["roofline_rate"] == "fp32"
+
+    table = bench.markdown_table(saved)
+    assert table.count("\n| ") == 2 + len(engines)  # header, separator, one line per engine
+    assert "| torch-int8 |" in table
+
+
+def test_vllm_rows_skip_cleanly_without_vllm(tmp_path):
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; the skip path is for environments without it")
+    bench = _load_tool()
+    result = bench.main(
+        [
+            "--config",
+            "tiny",
+            "--engines",
+            "torch-fp32",
+            "vllm-fp32",
+            "--new-tokens",
+            "2",
+            "--out",
+            str(tmp_path / "b.json"),
+        ]
+    )
+    vllm_row = result["rows"][1]
+    assert vllm_row["engine"] == "vllm-fp32" and "vllm" in vllm_row["skipped"].lower()

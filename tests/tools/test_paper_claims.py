@@ -1,0 +1,104 @@
+"""tools/paper_claims.py on a hand-made report.json: every printed number is derived by hand below."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "paper_claims.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("paper_claims_cli", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(p, c, gain, std, tps, kl=None, ent=None, lam=None):
+    steps = [0, 10, 20, 30]
+    hist = {}
+    if kl:
+        hist["mismatch_kl"] = {"step": steps, "mean": kl}
+    if ent:
+        hist["entropy"] = {"step": steps, "mean": ent}
+    if lam:
+        hist["mismatch/ais_lambda"] = {"step": steps, "mean": lam}
+    return {
+        "group": {"rollout.precision": p, "corrector.name": c},
+        "val_accuracy_gain": {"mean": gain, "std": std, "n": 2},
+        "rollout_tokens_per_s": {"mean": tps, "std": 0.0, "n": 2},
+        "histories": hist,
+    }
+
+
+REPORT = {
+    "rows": [
+        _row("fp32", "none", 0.20, 0.02, 1000),
+        _row(
+            "fp8",
+            "none",
+            0.10,
+            0.02,
+            500,
+            kl=[1e-3, 2e-3, 3e-3, 4e-3],
+            ent=[2.0, 1.5, 1.0, 0.5],
+            lam=[0.1, 0.2, 0.3, 0.4],
+        ),
+        _row("fp8", "tis", 0.14, 0.02, 500),
+        _row("fp8", "mis", 0.16, 0.02, 500),
+        _row("fp8", "ais", 0.19, 0.02, 600),
+    ]
+}
+
+
+def test_claims_numbers(tmp_path, capsys):
+    tool = _load()
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(REPORT))
+    assert tool.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    se = math.sqrt(2 * 0.02**2 / 2)  # = 0.02
+    # 1: none - fp32 = -0.100 ± 0.020, half of the fp32 gain lost
+    assert f"| -0.100 ± {se:.3f} | 50% |" in text
+    # 2: gap 0.1; tis (0.14-0.1)/0.1 = 0.4, mis 0.6, ais 0.9 (columns sorted: ais, mis, tis)
+    assert "| fp8 (gap +0.100 ± 0.020) | 0.90 | 0.60 | 0.40 |" in text  # 0.1 > 2 SE: not marked
+    # 3: AIS 0.19 vs best mis 0.16 -> +0.030
+    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 |" in text
+    # 4: quarters of 4 values = first and last value; lambda falls with entropy: corr -1
+    assert "| fp8, none | 1.00e-03 -> 4.00e-03 | 2.000 -> 0.500 | 0.1000 -> 0.4000 | -1.00 |" in text
+    # 5: fp8 runs average (500 + 500 + 500 + 600) / 4 = 525 -> 0.53x of fp32's 1000
+    assert "| fp8 | 525 | 0.53x |" in text
+
+
+def test_gap_within_noise_is_marked(tmp_path, capsys):
+    tool = _load()
+    rows = [dict(r) for r in REPORT["rows"]]
+    rows[1] = _row("fp8", "none", 0.17, 0.02, 500)  # gap 0.03 < 2 x 0.02
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert tool.main([str(path)]) == 0
+    assert "| fp8 (gap +0.030 ± 0.020 (within 2 SE)) |" in capsys.readouterr().out
+
+
+def test_missing_baseline_is_a_clear_error(tmp_path, capsys):
+    tool = _load()
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"rows": REPORT["rows"][1:]}))
+    assert tool.main([str(path)]) == 2
+    assert "fp32 / none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "values, expected", [([1.0, 2.0, 3.0], (math.nan, math.nan)), ([1, 2, 3, 4, 5, 6, 7, 8], (1.5, 7.5))]
+)
+def test_quarter_means(values, expected):
+    got = _load().quarter_means({"mean": values})
+    for g, e in zip(got, expected):
+        assert (math.isnan(g) and math.isnan(e)) or g == pytest.approx(e)

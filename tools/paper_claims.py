@@ -1,0 +1,191 @@
+"""Check the AIS paper's claims on a sweep report: the numbers behind docs/results.md.
+
+Reads the ``report.json`` that ``tools/sweep_report.py`` wrote for a precision x corrector x seed
+sweep with an fp32 baseline (rows grouped by ``rollout.precision`` and ``corrector.name``) and
+prints a markdown section, one claim per heading, each with the measured numbers:
+
+1. uncorrected low precision loses part of the fp32 gain (val acc gain, none vs fp32);
+2. correctors recover the gap: (gain - gain_none) / (gain_fp32 - gain_none) per corrector;
+3. AIS vs the best of TIS / MIS at the same precision;
+4. "exploration early, bias later": mismatch KL, entropy and the AIS lambda (``--lambda-key``)
+   over the first vs the last quarter of training, and the correlation of lambda with entropy;
+5. rollout throughput of each precision relative to fp32 inside training.
+
+Differences come with a standard error sqrt(s1^2/n1 + s2^2/n2) over seeds. Usage:
+
+    python tools/sweep_report.py ... --plot mismatch/ais_lambda --out docs/results/engine
+    python tools/paper_claims.py docs/results/engine/report.json [--lambda-key mismatch/ais_lambda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+PRECISION, CORRECTOR = "rollout.precision", "corrector.name"
+
+
+def _stat(row: dict, col: str) -> tuple[float, float, int]:
+    s = row.get(col) or {}
+    mean = s.get("mean")
+    std = s.get("std")
+    return (
+        float("nan") if mean is None else mean,
+        float("nan") if std is None else std,
+        s.get("n", 0),
+    )
+
+
+def diff_with_se(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float]:
+    """(mean_a - mean_b, sqrt(s_a^2/n_a + s_b^2/n_b)); the SE is nan when a side has < 2 runs."""
+    (ma, sa, na), (mb, sb, nb) = a, b
+    se = math.sqrt(sa**2 / na + sb**2 / nb) if na > 1 and nb > 1 else float("nan")
+    return ma - mb, se
+
+
+def quarter_means(history: dict) -> tuple[float, float]:
+    """Mean of the history's mean curve over the first and the last quarter of its steps."""
+    values = [v for v in history.get("mean", []) if v is not None and math.isfinite(v)]
+    if len(values) < 4:
+        return float("nan"), float("nan")
+    q = len(values) // 4
+    return statistics.fmean(values[:q]), statistics.fmean(values[-q:])
+
+
+def correlation(h1: dict, h2: dict) -> float:
+    """Pearson correlation of two mean curves over their common steps (nan if undefined)."""
+    a = dict(zip(h1.get("step", []), h1.get("mean", [])))
+    b = dict(zip(h2.get("step", []), h2.get("mean", [])))
+    steps = [s for s in a if s in b and a[s] is not None and b[s] is not None]
+    if len(steps) < 3:
+        return float("nan")
+    x, y = [a[s] for s in steps], [b[s] for s in steps]
+    try:
+        return statistics.correlation(x, y)
+    except statistics.StatisticsError:  # a constant curve
+        return float("nan")
+
+
+def _fmt(x: float, spec: str = "+.3f") -> str:
+    return "n/a" if not math.isfinite(x) else format(x, spec)
+
+
+def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_gain") -> str:
+    rows = {(r["group"].get(PRECISION), r["group"].get(CORRECTOR)): r for r in report["rows"]}
+    base = rows.get(("fp32", "none"))
+    if base is None:
+        raise ValueError("report has no fp32 / none row (the full-precision baseline)")
+    precisions = sorted({p for p, _ in rows if p != "fp32"})
+    correctors = sorted({c for _, c in rows if c != "none"})
+    label = {"val_accuracy_gain": "val acc gain", "final_val_accuracy": "final val acc"}.get(metric, metric)
+    out = [f"Metric: {label} (mean ± std over seeds; differences ± standard error).", ""]
+
+    out += ["### 1. Uncorrected low precision vs fp32", ""]
+    out += [
+        f"| precision | {label} (none) | fp32 | none - fp32 | lost share of the fp32 gain |",
+        "|---|---|---|---|---|",
+    ]
+    fp32 = _stat(base, metric)
+    for p in precisions:
+        if (p, "none") not in rows:
+            continue
+        none = _stat(rows[(p, "none")], metric)
+        d, se = diff_with_se(none, fp32)
+        lost = -d / fp32[0] + 0.0 if metric == "val_accuracy_gain" and fp32[0] else float("nan")
+        out.append(
+            f"| {p} | {_fmt(none[0])} ± {_fmt(none[1], '.3f')} | {_fmt(fp32[0])} ± {_fmt(fp32[1], '.3f')} "
+            f"| {_fmt(d)} ± {_fmt(se, '.3f')} | {_fmt(lost, '.0%')} |"
+        )
+
+    out += ["", "### 2. Gap recovered by each corrector: (x - none) / (fp32 - none)", ""]
+    out += ["A gap within 2 standard errors of 0 is marked: its ratios are noise, not recovery.", ""]
+    out += ["| precision | " + " | ".join(correctors) + " |", "|---" * (len(correctors) + 1) + "|"]
+    for p in precisions:
+        if (p, "none") not in rows:
+            continue
+        none_stat = _stat(rows[(p, "none")], metric)
+        none = none_stat[0]
+        gap, gap_se = diff_with_se(fp32, none_stat)
+        noise = " (within 2 SE)" if math.isfinite(gap_se) and abs(gap) < 2 * gap_se else ""
+        cells = []
+        for c in correctors:
+            x = _stat(rows[(p, c)], metric)[0] if (p, c) in rows else float("nan")
+            cells.append(_fmt((x - none) / gap, ".2f") if gap and math.isfinite(x) else "n/a")
+        out.append(f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | " + " | ".join(cells) + " |")
+
+    out += ["", "### 3. AIS vs the best of TIS / MIS", ""]
+    out += ["| precision | AIS | best of TIS/MIS | AIS - best |", "|---|---|---|---|"]
+    for p in precisions:
+        if (p, "ais") not in rows:
+            continue
+        ais = _stat(rows[(p, "ais")], metric)
+        others = [(c, _stat(rows[(p, c)], metric)) for c in ("tis", "mis") if (p, c) in rows]
+        if not others:
+            continue
+        best_name, best = max(others, key=lambda t: t[1][0])
+        d, se = diff_with_se(ais, best)
+        out.append(f"| {p} | {_fmt(ais[0])} | {best_name} {_fmt(best[0])} | {_fmt(d)} ± {_fmt(se, '.3f')} |")
+
+    out += ["", "### 4. Over training: first vs last quarter of the steps", ""]
+    out += [
+        "| precision, corrector | mismatch KL | entropy | lambda | corr(lambda, entropy) |",
+        "|---|---|---|---|---|",
+    ]
+    for (p, c), row in sorted(rows.items()):
+        if p == "fp32":
+            continue
+        h = row.get("histories", {})
+        kl = quarter_means(h.get("mismatch_kl", {}))
+        ent = quarter_means(h.get("entropy", {}))
+        lam = quarter_means(h.get(lambda_key, {}))
+        r = correlation(h.get(lambda_key, {}), h.get("entropy", {}))
+        out.append(
+            f"| {p}, {c} | {_fmt(kl[0], '.2e')} -> {_fmt(kl[1], '.2e')} | {_fmt(ent[0], '.3f')} -> "
+            f"{_fmt(ent[1], '.3f')} | {_fmt(lam[0], '.4f')} -> {_fmt(lam[1], '.4f')} | {_fmt(r, '+.2f')} |"
+        )
+
+    out += ["", "### 5. Rollout throughput inside training, relative to fp32", ""]
+    out += ["| precision | rollout tok/s (mean over its runs) | vs fp32 |", "|---|---|---|"]
+    tps32 = _stat(base, "rollout_tokens_per_s")[0]
+    for p in ["fp32", *precisions]:
+        vals = [_stat(r, "rollout_tokens_per_s") for (pp, _), r in rows.items() if pp == p]
+        vals = [v[0] for v in vals if math.isfinite(v[0])]
+        if vals:
+            tps = statistics.fmean(vals)
+            out.append(f"| {p} | {tps:.0f} | {tps / tps32:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("report", help="report.json written by tools/sweep_report.py")
+    parser.add_argument(
+        "--lambda-key",
+        default="mismatch/ais_lambda",
+        help="history holding lambda (pass it to sweep_report.py --plot; default %(default)s)",
+    )
+    parser.add_argument(
+        "--metric",
+        default="val_accuracy_gain",
+        help="report column compared in claims 1-3 (default %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        report = json.loads(Path(args.report).read_text())
+        print(claims_markdown(report, args.lambda_key, args.metric))
+    except (OSError, ValueError, KeyError) as err:
+        print(f"paper_claims: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

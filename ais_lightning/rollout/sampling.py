@@ -77,12 +77,18 @@ def sampling_logprobs(
 def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row from ``exp(logprobs)``.  # [B] long
 
-    Exponential-race sampling (argmax of p_i / E_i with E_i ~ Exp(1)), which picks token i with
-    probability p_i exactly and is what vLLM's sampler does; one kernel, no cumsum.
+    Inverse-CDF sampling: one uniform u per row, the token is the first index whose cumulative
+    probability exceeds u times the row's total mass. Tokens with probability 0 (``-inf``: top-k /
+    top-p cut) are never drawn. One random number per row instead of one per vocabulary entry: the
+    exponential race (argmax p_i / E_i) costs ~7 ms per decode step at [64, 4096] on this CPU.
+    The fp32 running sum shifts each token's probability by at most ~V * 2^-24 of the row mass.
     """
     _check_logits(logprobs)
-    noise = torch.empty_like(logprobs).exponential_(generator=generator).clamp_(min=1e-30)  # [B, V]
-    return (logprobs - noise.log()).argmax(dim=-1)
+    cdf = logprobs.float().exp().cumsum(dim=-1)  # [B, V], non-decreasing, last = total mass
+    total = cdf[:, -1:]  # [B, 1]
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)  # [B, 1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1], < total
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
 
 
 def sample_next(

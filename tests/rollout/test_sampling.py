@@ -106,3 +106,19 @@ def test_bad_inputs_raise():
         truncation_mask(torch.zeros(1, 3), top_k=-1)
     with pytest.raises(ValueError, match="temperature"):
         sampling_logprobs(torch.zeros(1, 3), -1.0)
+
+
+def test_inverse_cdf_never_draws_zero_probability_tokens_even_at_u_near_one(monkeypatch):
+    """Zero-probability tokens sit where the CDF is flat, at the start, middle and end of the row;
+    u ~ 1 (here the largest float32 below 1) must still land on the last token with mass."""
+    from ais_lightning.rollout.sampling import sample_from_logprobs
+
+    inf = float("-inf")
+    logp = torch.tensor([[inf, math.log(0.25), inf, math.log(0.75), inf, inf]])  # [1, 6]
+    tokens = sample_from_logprobs(logp.expand(20_000, -1), make_generator(0))
+    counts = torch.bincount(tokens, minlength=6)
+    assert counts[[0, 2, 4, 5]].sum() == 0
+    assert abs(counts[1].item() / 20_000 - 0.25) < 0.02  # 0.25 +- ~6.5 standard errors
+
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 1 - 2**-24, dtype=kw["dtype"]))
+    assert sample_from_logprobs(logp).tolist() == [3]

@@ -269,17 +269,11 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
 
-    base = next(
-        (r["tokens_per_s"] for r in rows if r["engine"] == "torch-fp32" and "tokens_per_s" in r), None
-    )
-    hf_base = next(
-        (r["tokens_per_s"] for r in rows if r["engine"] == "hf-fp32" and "tokens_per_s" in r), None
-    )
+    measured = {r["engine"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
     for r in rows:
-        if base and "tokens_per_s" in r:
-            r["vs_torch_fp32"] = r["tokens_per_s"] / base
-        if hf_base and "tokens_per_s" in r:
-            r["vs_hf_fp32"] = r["tokens_per_s"] / hf_base
+        for ref in ("torch-fp32", "hf-fp32"):
+            if ref in measured and "tokens_per_s" in r:
+                r[f"vs_{ref.replace('-', '_')}"] = r["tokens_per_s"] / measured[ref]
     result = {
         "config": args.config,
         "shape": asdict(cfg),

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_rollout.py"
+from tests.tools.load_tool import load_tool
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_rollout_cli", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_rollout")
 
 
 def test_bench_rows_ratios_and_table(tmp_path):

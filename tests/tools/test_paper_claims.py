@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "paper_claims.py"
+from tests.tools.load_tool import load_tool
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("paper_claims_cli", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("paper_claims")
 
 
 def _row(p, c, gain, std, tps, kl=None, ent=None, lam=None):

@@ -6,7 +6,6 @@ RUNNING run) uses values chosen so that every asserted table entry is derived by
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -29,6 +28,7 @@ from ais_lightning.report import (
     split_finished,
 )
 from tests.mlflow_server import mlflow_server
+from tests.tools.load_tool import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "sweep_report.py"
@@ -36,10 +36,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location("sweep_report_cli", CLI)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("sweep_report")
 
 
 # ------------------------------------------------------------------------------ the logged sweep

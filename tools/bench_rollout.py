@@ -11,8 +11,11 @@ fake-quantized weights included; fbgemm packed int8 weights counted as 1 byte pe
 thread) during ``generate`` over the RSS before it (KV cache + activations). RSS only grows when the
 allocator needs new pages, so ``run MB`` under-counts memory reused from earlier engines.
 
-``--repeats R`` runs the engines round-robin R times and keeps each one's best time (the machine
-may be shared: best-of-R is the least noisy estimate of what the code can do).
+``--repeats R`` runs the engines round-robin R times. tokens/s, ms/step, memory and roofline come
+from each engine's best time (best-of-R is the least noisy estimate of what the code can do); the
+"vs" ratios are *paired*: the median over repeats of the ratio of the two engines' times within the
+same repeat, where they ran back to back under the same machine load (on a shared machine the load
+drifts between repeats by more than the differences being measured). With R = 1 both agree.
 
     python tools/bench_rollout.py --config tiny --out bench_tiny.json
     python tools/bench_rollout.py --config gemm --out bench_gemm.json
@@ -25,6 +28,7 @@ import copy
 import json
 import os
 import platform
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -204,13 +208,30 @@ def run_vllm(model: nn.Module, prompts: list[list[int]], new: int, precision: st
     return elapsed, -1, run_mem.peak_delta
 
 
+def paired_speedup(ref_seconds: list[float], seconds: list[float]) -> float:
+    """Median over repeats of ``ref_seconds[r] / seconds[r]``: how many times faster than the reference.
+
+    Both lists hold one time per round-robin repeat, so each ratio compares two runs made back to back.
+    """
+    if len(ref_seconds) != len(seconds) or not seconds:
+        raise ValueError(
+            f"need one time per repeat for both engines, got {len(ref_seconds)} and {len(seconds)}"
+        )
+    return statistics.median(ref / t for ref, t in zip(ref_seconds, seconds))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--new-tokens", type=int, default=None, help="override the config's new tokens")
-    parser.add_argument("--repeats", type=int, default=1, help="round-robin repeats; the best time is kept")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="round-robin repeats: tokens/s from each engine's best time, ratios paired per repeat (median)",
+    )
     parser.add_argument("--out", default=None, help="JSON output path (default bench_rollout_<config>.json)")
     args = parser.parse_args(argv)
 
@@ -227,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     rates = gemm_rates(cfg.batch, c.hidden_size, c.intermediate_size)
 
     best: dict[str, tuple[float, int, int]] = {}
+    seconds: dict[str, list[float]] = {}  # per engine, the time of each repeat
     skipped: dict[str, str] = {}
     for _ in range(args.repeats):  # round-robin, so load from other processes hits every engine alike
         for name in args.engines:
@@ -245,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{name}: skipped ({skipped[name]})", flush=True)
                 continue
             print(f"{name}: {cfg.batch * cfg.new_tokens / res[0]:.0f} tok/s", flush=True)
+            seconds.setdefault(name, []).append(res[0])
             if name not in best or res[0] < best[name][0]:
                 best[name] = (res[0], res[1], max(res[2], best.get(name, (0, 0, 0))[2]))
 
@@ -266,14 +289,14 @@ def main(argv: list[str] | None = None) -> dict:
                 "run_peak_mb": run_b / 2**20,
                 "roofline_fraction": tok_s * 2 * params / rate,
                 "roofline_rate": "int8" if precision == "int8" else "fp32",
+                "seconds": seconds[name],
             }
         )
 
-    measured = {r["engine"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
     for r in rows:
         for ref in ("torch-fp32", "hf-fp32"):
-            if ref in measured and "tokens_per_s" in r:
-                r[f"vs_{ref.replace('-', '_')}"] = r["tokens_per_s"] / measured[ref]
+            if ref in seconds and "tokens_per_s" in r:
+                r[f"vs_{ref.replace('-', '_')}"] = paired_speedup(seconds[ref], seconds[r["engine"]])
     result = {
         "config": args.config,
         "shape": asdict(cfg),
@@ -294,6 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _ratio(row: dict, key: str) -> str:
+    """A ratio cell: ``2.07x``, or ``n/a`` when the reference engine was not run."""
+    return f"{row[key]:.2f}x" if key in row else "n/a"
+
+
 def markdown_table(result: dict) -> str:
     g = result["gemm_gflops"]
     lines = [
@@ -301,7 +329,7 @@ def markdown_table(result: dict) -> str:
         f"{result['linear_params'] / 1e6:.2f}M linear params, {result['threads']} threads; "
         f"GEMM fp32 {g['fp32']:.1f} GFLOP/s, int8 {g['int8']:.1f} GFLOP/s",
         "",
-        "| engine | tok/s | ms/step | vs torch-fp32 | vs hf-fp32 | roofline | weights MB | run peak RSS MB |",
+        "| engine | tok/s (best) | ms/step | vs torch-fp32 (paired) | vs hf-fp32 (paired) | roofline | weights MB | run peak RSS MB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
@@ -309,7 +337,7 @@ def markdown_table(result: dict) -> str:
             lines.append(f"| {r['engine']} | skipped: {r['skipped'][:60]} | | | | | | |")
             continue
         lines.append(
-            f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r.get('vs_torch_fp32', 0):.2f}x | {r.get('vs_hf_fp32', 0):.2f}x "
+            f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {_ratio(r, 'vs_torch_fp32')} | {_ratio(r, 'vs_hf_fp32')} "
             f"| {100 * r['roofline_fraction']:.1f}% ({r['roofline_rate']}) | {'n/a' if r['weights_mb'] is None else format(r['weights_mb'], '.0f')} | {r['run_peak_mb']:.0f} |"
         )
     return "\n".join(lines)

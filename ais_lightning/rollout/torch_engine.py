@@ -137,6 +137,7 @@ class TorchRolloutEngine:
             pad_token_id = getattr(cfg, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
         self._kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv_workspace: torch.Tensor | None = None  # KV-cache memory kept across generate calls
 
     # ------------------------------------------------------------------ setup
     def _prepare_model(self) -> None:
@@ -216,9 +217,12 @@ class TorchRolloutEngine:
     def _after_sync(self) -> None:
         """Re-derive cached low-precision weights after new weights were loaded."""
         if self.precision in _DEFAULT_BACKEND:
-            from ais_lightning.quant import refresh_quantized
+            from ais_lightning.quant import QuantLinear, refresh_quantized
 
             refresh_quantized(self.model)
+            for fused in self._qkv:  # the fused q/k/v int8 layers live outside the model
+                if isinstance(fused, QuantLinear):
+                    fused.refresh()
 
     # ---------------------------------------------------------------- forward
     def _kv_store(
@@ -247,38 +251,59 @@ class TorchRolloutEngine:
     def _fuse_projections(self) -> None:
         """Give q/k/v one weight, so the attention projections run as 1 GEMM where they ran 3.
 
-        Only for plain ``nn.Linear`` layers (fp32/bf16; quantized layers keep their own per-module
-        scales). The module weights become views into the fused tensor, so weight sync by copying
-        into them updates the fused weight with no extra memory and no re-fusion.
+        Per layer, ``self._qkv[i]`` becomes one linear module computing ``[q | k | v]``, or None (the three
+        modules are called and concatenated). The q/k/v weights become views into the fused weight, so
+        weight sync by copying into them updates the fused weight with no extra memory.
+
+        - plain ``nn.Linear`` (fp32/bf16): an ``nn.Linear`` over the concatenated weight.
+        - fbgemm int8 ``QuantLinear``: one int8 ``QuantLinear`` over the concatenated weight. This is
+          exact: weights are quantized per output channel (concatenation keeps every row's scale) and
+          fbgemm quantizes the activation per tensor, the same ``h`` for q, k and v, so one activation
+          quantization serves all three. :meth:`_after_sync` re-packs it.
+        - emulated recipes keep three modules (per-tensor weight scales would change under fusion).
 
         gate/up are deliberately *not* fused: at the decode shape (M = batch) one ``[M, H] x [H, 2 I]``
         GEMM was slower than two ``[M, H] x [H, I]`` ones on CPU (MKL, e.g. 16.3 vs 2 x 5.8 ms for
-        H = 1024, I = 3072, M = 64 on 2 threads), presumably because the ``[M, 2 I]`` output tile no longer
-        fits the per-core L2. A non-None entry also marks the MLP as plain gated ``nn.Linear`` layers.
+        H = 1024, I = 3072, M = 64 on 2 threads; fbgemm int8 7.9 vs 7.5 ms), presumably because the
+        ``[M, 2 I]`` output tile no longer fits the per-core L2.
         """
-        self._fused: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        from ais_lightning.quant import QuantLinear
+
+        self._qkv: list[nn.Module | None] = []
         for layer in self._layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            gu = [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
-            plain = all(type(m) is nn.Linear for m in qkv + gu)
-            if not plain or gu[0].bias is not None or gu[1].bias is not None:
-                self._fused.append(None)
-                continue
-            self._fused.append((self._fuse(qkv, "weight"), self._fuse(qkv, "bias")))
+            attn = layer.self_attn
+            mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+            if all(type(m) is nn.Linear for m in mods):
+                self._qkv.append(self._fused_linear(mods))
+            elif all(type(m) is QuantLinear and m.backend == "int8" for m in mods):
+                self._qkv.append(QuantLinear.from_linear(self._fused_linear(mods), mods[0].recipe, "int8"))
+            else:
+                self._qkv.append(None)
 
     @staticmethod
-    def _fuse(mods: list[nn.Linear], attr: str) -> torch.Tensor | None:
-        params = [getattr(m, attr) for m in mods]
-        if any(p is None for p in params):
-            return None
-        fused = torch.cat([p.detach() for p in params], dim=0)  # [sum N, K] or [sum N]
-        start = 0
-        for m, p in zip(mods, params):
-            view = fused[start : start + p.shape[0]]
-            setattr(m, attr, nn.Parameter(view, requires_grad=False))
-            start += p.shape[0]
+    def _fused_linear(mods: list[nn.Linear]) -> nn.Linear:
+        """An ``nn.Linear`` whose weight (and bias) concatenate ``mods``' along the output dim.
+
+        ``mods``' weights and biases are replaced by views into the fused tensors (same values).
+        """
+        fused = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=False, device="meta")
+        for attr in ("weight", "bias"):
+            params = [getattr(m, attr) for m in mods]
+            if any(p is None for p in params):
+                continue
+            whole = torch.cat([p.detach() for p in params], dim=0)  # [sum N, K] or [sum N]
+            start = 0
+            for m, p in zip(mods, params):
+                view = whole[start : start + p.shape[0]]
+                setattr(m, attr, nn.Parameter(view, requires_grad=False))
+                start += p.shape[0]
+            setattr(fused, attr, nn.Parameter(whole, requires_grad=False))
         return fused
+
+    @staticmethod
+    def _gated_mlp(mlp: nn.Module) -> bool:
+        """Whether ``mlp`` is the Llama-family ``down(act(gate(x)) * up(x))`` the lean path may unroll."""
+        return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
     @staticmethod
     def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -322,11 +347,10 @@ class TorchRolloutEngine:
         k ``[..., Hkv, D]``, v ``[..., Hkv, D]``.
         """
         attn = self._layers[i].self_attn
-        fused = self._fused[i]
         nq, nkv, d = self._n_heads, self._n_kv, self._head_dim
-        if fused is not None:
-            qkv = F.linear(h, fused[0], fused[1])  # [..., (Hq + 2 Hkv) D]
-        else:  # quantized / other linears: one module each, concatenated so RoPE runs once
+        if self._qkv[i] is not None:
+            qkv = self._qkv[i](h)  # [..., (Hq + 2 Hkv) D]
+        else:  # emulated quantization / other linears: one module each, concatenated so RoPE runs once
             qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
         qk = qkv[..., : (nq + nkv) * d].unflatten(-1, (nq + nkv, d))  # [..., Hq + Hkv, D]
         v = qkv[..., (nq + nkv) * d :].unflatten(-1, (nkv, d))  # [..., Hkv, D]
@@ -340,14 +364,13 @@ class TorchRolloutEngine:
     def _mlp_residual(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """``x + MLP(post_attention_layernorm(x))`` for ``x [..., H]``."""
         layer = self._layers[i]
-        fused = self._fused[i]
-        h = self._rms_norm(layer.post_attention_layernorm, x)
-        if fused is None:
-            return x + layer.mlp(h)
         mlp = layer.mlp
-        gate = F.linear(h, mlp.gate_proj.weight)  # [..., I]; two GEMMs, not one fused (_fuse_projections)
-        up = F.linear(h, mlp.up_proj.weight)  # [..., I]
-        return _linear_residual(x, mlp.act_fn(gate).mul_(up), mlp.down_proj)
+        h = self._rms_norm(layer.post_attention_layernorm, x)
+        if not self._gated_mlp(mlp):
+            return x + mlp(h)
+        gate = mlp.gate_proj(h)  # [..., I]; two GEMMs, not one fused (_fuse_projections)
+        up = mlp.up_proj(h)  # [..., I]
+        return _linear_residual(x, mlp.act_fn(gate).mul_(up), mlp.down_proj)  # in place: one [.., I] less
 
     def _prefill_layer(
         self,
@@ -435,6 +458,30 @@ class TorchRolloutEngine:
         return self._mlp_residual(i, x)
 
     # --------------------------------------------------------------- generate
+    def _kv_buffers(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer K and V caches of ``shape`` ``[B, Hkv, T, D]``, views into one workspace kept across calls.
+
+        Like vLLM's preallocated KV blocks: the memory is allocated once and reused by every ``generate``
+        that fits in it (it grows when a call needs more). Freshly allocated memory costs a page fault per
+        4 KiB on first touch (~4 us each on this VM: ~0.2 s per call for a 168 MB cache) and successive
+        rollouts have the same shapes. Stale contents are never read: prefill zeroes the pad slots and
+        every other slot is written before it is attended to. :meth:`release_kv_cache` frees it.
+        """
+        per_cache = shape[0] * shape[1] * shape[2] * shape[3]
+        need = 2 * len(self._layers) * per_cache
+        ws = self._kv_workspace
+        if ws is None or ws.numel() < need or ws.dtype != dtype or ws.device != device:
+            self._kv_workspace = ws = None  # drop the old workspace before allocating the new one
+            ws = self._kv_workspace = torch.empty(need, dtype=dtype, device=device)
+        caches = ws[:need].view(2, len(self._layers), *shape)  # [K|V, layers, B, Hkv, T, D]
+        return list(caches[0].unbind(0)), list(caches[1].unbind(0))
+
+    def release_kv_cache(self) -> None:
+        """Free the KV-cache memory kept between ``generate`` calls (the next call allocates it again)."""
+        self._kv_workspace = None
+
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -482,8 +529,7 @@ class TorchRolloutEngine:
         tokens = prompt_mask.nonzero(as_tuple=True)  # (row [N], slot [N]), row-major
         last = lengths.cumsum(0) - 1  # [Bp] packed index of each prompt's last token
         cache_shape = (batch, self._n_kv, total, self._head_dim)
-        k_caches = [torch.empty(cache_shape, dtype=dtype, device=dev) for _ in self._layers]
-        v_caches = [torch.empty(cache_shape, dtype=dtype, device=dev) for _ in self._layers]
+        k_caches, v_caches = self._kv_buffers(cache_shape, dtype, dev)
         x = self._embed(prompt_ids[tokens])  # [N, H]
         pre_cos, pre_sin = cos[tokens][:, None], sin_signed[tokens][:, None]  # [N, 1, D]
         for i in range(len(self._layers)):

@@ -115,6 +115,24 @@ def test_logprobs_match_policy_when_rows_stop_early(model, compact_below):
     assert (lp - batch.rollout_logprobs)[batch.response_mask].abs().max().item() < 1e-5
 
 
+def test_kv_cache_memory_is_reused_and_stale_contents_never_read(model):
+    engine = TorchRolloutEngine(model)
+    big = SamplingConfig(n=4, max_new_tokens=12, seed=0)
+    engine.generate(PROMPTS, big)
+    workspace = engine._kv_workspace
+    with torch.inference_mode():
+        workspace.fill_(float("nan"))  # whatever a previous call left must not leak into the next one
+    small = SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=[2], seed=3)
+    reused = engine.generate(PROMPTS[1:], small)  # fewer rows, padded prompts: fits in the workspace
+    assert engine._kv_workspace is workspace
+    fresh = TorchRolloutEngine(model).generate(PROMPTS[1:], small)
+    assert torch.equal(reused.response_ids, fresh.response_ids)
+    assert torch.equal(reused.rollout_logprobs, fresh.rollout_logprobs)
+    engine.release_kv_cache()
+    assert engine._kv_workspace is None
+    assert torch.equal(engine.generate(PROMPTS[1:], small).response_ids, fresh.response_ids)
+
+
 def test_seeds_reproduce(model):
     engine = TorchRolloutEngine(model)
     a = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=5))
@@ -137,6 +155,23 @@ def test_quantized_engines_have_mismatch_fp4_above_fp8(model):
     assert _k3(model, TorchRolloutEngine(model).generate(prompts, sampling)) < 1e-9
 
 
+@pytest.mark.parametrize(
+    "precision, fused_type", [("fp32", "Linear"), ("int8", "QuantLinear"), ("fp8", None)]
+)
+def test_fused_qkv_equals_the_three_projections(model, precision, fused_type):
+    """The fused q/k/v layer reproduces the three modules bit for bit (int8: one shared activation scale)."""
+    engine = TorchRolloutEngine(model, precision=precision)
+    h = torch.randn(5, model.config.hidden_size)
+    for layer, fused in zip(engine.model.model.layers, engine._qkv):
+        assert (type(fused).__name__ if fused is not None else None) == fused_type
+        if fused is None:
+            continue
+        attn = layer.self_attn
+        with torch.inference_mode():
+            separate = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+            assert torch.equal(fused(h), separate)
+
+
 def test_bf16_and_fp8_kv_cache_are_close_but_not_equal(model):
     sampling = SamplingConfig(n=2, max_new_tokens=8, seed=0)
     for kwargs in ({"precision": "bf16"}, {"kv_cache_dtype": "fp8"}):
@@ -157,11 +192,10 @@ def _sgd_step(model):
     return trained.eval()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", "fp8", "int8"])
 def test_weight_sync_tracks_the_trainer(model, precision):
-    engine = TorchRolloutEngine(
-        model, precision=precision, kv_cache_dtype="fp8" if precision == "fp8" else None
-    )
+    kv = "fp8" if precision == "fp8" else None
+    engine = TorchRolloutEngine(model, precision=precision, kv_cache_dtype=kv)
     sampling = SamplingConfig(n=2, max_new_tokens=8, seed=2)
     engine.generate(PROMPTS, sampling)
     trained = _sgd_step(model)
@@ -173,8 +207,10 @@ def test_weight_sync_tracks_the_trainer(model, precision):
     assert (new_lp - old_lp)[mask].abs().max().item() > 1e-2  # the step changed the policy
     if precision == "fp32":
         assert (new_lp - batch.rollout_logprobs)[mask].abs().max().item() < 1e-5
-    else:  # a synced quantized engine equals one freshly built from the new weights (KV scales included)
-        fresh = TorchRolloutEngine(trained, precision="fp8", kv_cache_dtype="fp8").generate(PROMPTS, sampling)
+    else:  # a synced quantized engine equals one freshly built from the new weights (KV scales, fused q/k/v)
+        fresh = TorchRolloutEngine(trained, precision=precision, kv_cache_dtype=kv).generate(
+            PROMPTS, sampling
+        )
         assert torch.equal(fresh.response_ids, batch.response_ids)
         assert torch.allclose(fresh.rollout_logprobs, batch.rollout_logprobs, atol=1e-6)
 

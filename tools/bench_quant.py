@@ -1,5 +1,10 @@
 """Time fp32 vs fbgemm int8 vs emulated FP8/FP4 linears at a few shapes; print a markdown table.
 
+``fp32`` is ``nn.Linear`` (``F.linear``: MKL on x86 CPU builds, what HF models and our engines run);
+``fp32 oneDNN`` is the same GEMM through oneDNN with a prepacked weight
+(``torch.ops.mkldnn._linear_pointwise``, the kernel inductor's CPU weight prepacking uses), shown
+because the fp32 baseline an int8 speed-up is measured against depends on the kernel.
+
 Usage: .venv/bin/python tools/bench_quant.py [--repeats 20] [--threads N]
 Each cell is the best (minimum) wall time of ``--repeats`` forward calls under ``torch.inference_mode``
 (the minimum is the least disturbed by other processes on a shared machine);
@@ -16,14 +21,30 @@ from torch import nn
 
 from ais_lightning.quant import QuantLinear
 
-SHAPES = [(128, 1024, 1024), (32, 1024, 4096), (512, 512, 512)]
+SHAPES = [(128, 1024, 1024), (32, 1024, 4096), (512, 512, 512), (64, 1024, 3072), (64, 3072, 1024)]
 VARIANTS = [
     ("fp32", None, None),
+    ("fp32 oneDNN", None, "onednn"),
     ("int8 fbgemm", "int8", "int8"),
     ("int8 emulate", "int8", "emulate"),
     ("fp8 emulate", "fp8", "emulate"),
     ("nvfp4 emulate", "nvfp4", "emulate"),
 ]
+
+
+def onednn_linear(linear: nn.Linear, batch: int):
+    """``linear`` as a oneDNN GEMM with the weight reordered once for ``batch`` rows; None without oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch)
+    bias = None if linear.bias is None else linear.bias.detach()
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def build_variant(linear: nn.Linear, recipe: str | None, backend: str | None, batch: int):
+    if backend == "onednn":
+        return onednn_linear(linear, batch)
+    return linear if recipe is None else QuantLinear.from_linear(linear, recipe, backend=backend)
 
 
 def _best_ms(fn, x, repeats: int) -> float:
@@ -56,7 +77,10 @@ def main() -> None:
         cells, base = [], None
         with torch.inference_mode():
             for _, recipe, backend in VARIANTS:
-                layer = linear if recipe is None else QuantLinear.from_linear(linear, recipe, backend=backend)
+                layer = build_variant(linear, recipe, backend, m)
+                if layer is None:
+                    cells.append("n/a")
+                    continue
                 ms = _best_ms(layer, x, args.repeats)
                 base = base or ms
                 cells.append(f"{ms:.2f} ({ms / base:.2f})")

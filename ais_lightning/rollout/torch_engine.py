@@ -6,6 +6,8 @@ lean single-token decode steps. The prefill runs the projections and MLP on the 
 tokens only (packed, no pad tokens). The decode step calls the model's own submodules (norms,
 projections, MLP, lm_head: so quantized ``QuantLinear`` layers are used as they are) but not
 HF's generic forward/cache machinery, which costs more per step than the math on small models.
+q/k/v run as one GEMM where that is exact (plain and fbgemm-int8 linears); the KV cache lives in one
+workspace kept across ``generate`` calls (:meth:`TorchRolloutEngine.release_kv_cache` frees it).
 
 Supported architectures: the Llama family layout that Qwen3, Qwen2 and Llama share
 (``model.model.{embed_tokens, layers, norm, rotary_emb}``, ``model.lm_head``, attention with

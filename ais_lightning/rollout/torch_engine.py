@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterable
 
 import torch
@@ -179,6 +180,11 @@ class TorchRolloutEngine:
             float(getattr(layer.self_attn, "scaling", self._head_dim**-0.5)) for layer in self._layers
         ]
         self.vocab_size = cfg.vocab_size
+        # Llama-family ``down(act(gate(x)) * up(x))`` MLPs, which the lean path unrolls (others are called).
+        self._gated = [
+            all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            for layer in self._layers
+        ]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,13 +224,8 @@ class TorchRolloutEngine:
 
     def _after_sync(self) -> None:
         """Re-derive cached low-precision weights after new weights were loaded."""
-        if self.precision in _DEFAULT_BACKEND:
-            from ais_lightning.quant import QuantLinear, refresh_quantized
-
-            refresh_quantized(self.model)
-            for fused in self._qkv:  # the fused q/k/v int8 layers live outside the model
-                if isinstance(fused, QuantLinear):
-                    fused.refresh()
+        for layer in self._quantized:  # empty at fp32/bf16
+            layer.refresh()
 
     # ---------------------------------------------------------------- forward
     def _kv_store(
@@ -261,7 +262,7 @@ class TorchRolloutEngine:
         - fbgemm int8 ``QuantLinear``: one int8 ``QuantLinear`` over the concatenated weight. This is
           exact: weights are quantized per output channel (concatenation keeps every row's scale) and
           fbgemm quantizes the activation per tensor, the same ``h`` for q, k and v, so one activation
-          quantization serves all three. :meth:`_after_sync` re-packs it.
+          quantization serves all three. :meth:`_after_sync` re-packs it (not the three).
         - emulated recipes keep three modules (per-tensor weight scales would change under fusion).
 
         gate/up are deliberately *not* fused: at the decode shape (M = batch) one ``[M, H] x [H, 2 I]``
@@ -272,6 +273,7 @@ class TorchRolloutEngine:
         from ais_lightning.quant import QuantLinear
 
         self._qkv: list[nn.Module | None] = []
+        covered: set[int] = set()
         for layer in self._layers:
             attn = layer.self_attn
             mods = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -279,8 +281,16 @@ class TorchRolloutEngine:
                 self._qkv.append(self._fused_linear(mods))
             elif all(type(m) is QuantLinear and m.backend == "int8" for m in mods):
                 self._qkv.append(QuantLinear.from_linear(self._fused_linear(mods), mods[0].recipe, "int8"))
+                covered.update(id(m) for m in mods)
             else:
                 self._qkv.append(None)
+        # What _after_sync re-quantizes: every QuantLinear the lean forward calls, once. q/k/v modules a fused
+        # int8 layer replaces are not re-packed per sync (their QuantLinear stamp check re-packs them if
+        # they are ever called directly, e.g. through engine.model).
+        self._quantized = [
+            m for m in self.model.modules() if isinstance(m, QuantLinear) and id(m) not in covered
+        ]
+        self._quantized += [f for f in self._qkv if isinstance(f, QuantLinear)]
 
     @staticmethod
     def _fused_linear(mods: list[nn.Linear]) -> nn.Linear:
@@ -301,11 +311,6 @@ class TorchRolloutEngine:
                 start += p.shape[0]
             setattr(fused, attr, nn.Parameter(whole, requires_grad=False))
         return fused
-
-    @staticmethod
-    def _gated_mlp(mlp: nn.Module) -> bool:
-        """Whether ``mlp`` is the Llama-family ``down(act(gate(x)) * up(x))`` the lean path may unroll."""
-        return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
     @staticmethod
     def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -368,7 +373,7 @@ class TorchRolloutEngine:
         layer = self._layers[i]
         mlp = layer.mlp
         h = self._rms_norm(layer.post_attention_layernorm, x)
-        if not self._gated_mlp(mlp):
+        if not self._gated[i]:
             return x + mlp(h)
         gate = mlp.gate_proj(h)  # [..., I]; two GEMMs, not one fused (_fuse_projections)
         up = mlp.up_proj(h)  # [..., I]
@@ -471,8 +476,7 @@ class TorchRolloutEngine:
         rollouts have the same shapes. Stale contents are never read: prefill zeroes the pad slots and
         every other slot is written before it is attended to. :meth:`release_kv_cache` frees it.
         """
-        per_cache = shape[0] * shape[1] * shape[2] * shape[3]
-        need = 2 * len(self._layers) * per_cache
+        need = 2 * len(self._layers) * math.prod(shape)
         ws = self._kv_workspace
         if ws is None or ws.numel() < need or ws.dtype != dtype or ws.device != device:
             self._kv_workspace = ws = None  # drop the old workspace before allocating the new one

@@ -45,8 +45,8 @@ def test_bench_rows_ratios_and_table(tmp_path):
 
 def test_paired_speedup_is_the_median_of_per_repeat_ratios():
     bench = _load_tool()
-    # repeat 2 ran under load: the reference's best (10) and this engine's best (4) come from different
-    # repeats, so best/best (2.5) overstates the speed-up; per-repeat ratios are 2.0, 2.0, 2.5.
+    # the two engines' best times (10 and 4.8) come from different repeats, so best/best (2.08) mixes
+    # two machine states; per-repeat ratios are 2.0, 2.0, 2.5.
     assert bench.paired_speedup([10.0, 30.0, 12.0], [5.0, 15.0, 4.8]) == pytest.approx(2.0)
     assert bench.paired_speedup([10.0, 30.0], [5.0, 10.0]) == pytest.approx(
         2.5

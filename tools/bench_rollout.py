@@ -8,14 +8,20 @@ token at the fp32 / int8 GEMM rates this run measures at the decode shape (M = b
 Memory: ``weights MB`` = bytes of the engine model's unique parameters and buffers (cached
 fake-quantized weights included; fbgemm packed int8 weights counted as 1 byte per weight);
 ``run MB`` = peak growth of the resident set size (RSS, /proc/self/statm, sampled every 2 ms by a
-thread) during ``generate`` over the RSS before it (KV cache + activations). RSS only grows when the
-allocator needs new pages, so ``run MB`` under-counts memory reused from earlier engines.
+thread) during the warm-up ``generate`` over the RSS before it (KV cache + activations). RSS only grows
+when the allocator needs new pages, so ``run MB`` under-counts memory reused from earlier engines.
+
+Each engine is built once and warmed up by one full-length ``generate`` (its buffers allocated and
+touched, as in an RL loop that rolls out every step; memory is sampled then), and the timed runs
+reuse it with no sampling thread competing for the cores. vLLM (one ``LLM`` per process at a time)
+is rebuilt and warmed up every repeat.
 
 ``--repeats R`` runs the engines round-robin R times. tokens/s, ms/step, memory and roofline come
 from each engine's best time (best-of-R is the least noisy estimate of what the code can do); the
 "vs" ratios are *paired*: the median over repeats of the ratio of the two engines' times within the
 same repeat, where they ran back to back under the same machine load (on a shared machine the load
-drifts between repeats by more than the differences being measured). With R = 1 both agree.
+drifts between repeats by more than the differences being measured), followed by the range of the
+per-repeat ratios (all of them are in the JSON). With R = 1 both agree.
 
     python tools/bench_rollout.py --config tiny --out bench_tiny.json
     python tools/bench_rollout.py --config gemm --out bench_gemm.json
@@ -31,6 +37,7 @@ import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -167,49 +174,72 @@ def gemm_rates(m: int, k: int, n: int, seconds: float = 1.0) -> dict[str, float]
     return rates
 
 
-def run_hf(model: nn.Module, prompts: list[list[int]], new: int, int8: bool) -> tuple[float, int, int]:
-    if int8:
-        from ais_lightning.quant import get_recipe, quantize_model
+@dataclass
+class Prepared:
+    """An engine built and warmed up: ``run()`` does one timed-size ``generate``; ``close()`` frees it."""
 
-        model = quantize_model(copy.deepcopy(model), get_recipe("int8"), backend="int8")
-    ids, mask = left_pad(prompts, 0)
-    kwargs = dict(
-        input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0, top_k=0, pad_token_id=0
-    )
-    with torch.inference_mode():
-        model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
-        with PeakRSS() as run_mem:
-            start = time.perf_counter()
+    run: Callable[[], None]
+    weight_bytes: int  # -1 when not measurable (vLLM owns its weights)
+    run_peak_bytes: int  # peak RSS growth during the full-length warm-up generate
+    close: Callable[[], None] = lambda: None
+
+
+def prepare(name: str, model: nn.Module, prompts: list[list[int]], new: int) -> Prepared:
+    """Build engine ``name`` (``hf-fp32``, ``torch-int8``, ``vllm-bf16``, ...) and warm it up.
+
+    The warm-up is one full-length ``generate`` (every buffer the timed runs need is allocated and
+    touched, as in an RL loop where the engine rolls out every step), and the peak RSS is sampled
+    during it, so the timed runs have no sampling thread competing for the cores.
+    Raises ImportError / ValueError when the engine cannot run here.
+    """
+    kind, _, precision = name.partition("-")
+    if kind == "hf":
+        if precision == "int8":
+            from ais_lightning.quant import get_recipe, quantize_model
+
+            model = quantize_model(copy.deepcopy(model), get_recipe("int8"), backend="int8")
+        ids, mask = left_pad(prompts, 0)
+        kwargs = dict(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            pad_token_id=0,
+        )
+
+        @torch.inference_mode()
+        def run() -> None:
             model.generate(**kwargs, max_new_tokens=new, min_new_tokens=new)
-            elapsed = time.perf_counter() - start
-    return elapsed, weight_bytes(model), run_mem.peak_delta
+
+        weights, close = weight_bytes(model), lambda: None
+    else:
+        if kind == "torch":
+            engine = TorchRolloutEngine(model, precision=precision)
+            weights, close = weight_bytes(engine.model), lambda: None
+        else:
+            from ais_lightning.rollout.factory import build_engine
+
+            engine = build_engine("vllm", model, precision=precision)
+            weights, close = -1, engine.close
+
+        def run() -> None:
+            batch = engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
+            assert batch.num_tokens == len(prompts) * new, "the benchmark needs every row to run to the end"
+
+    with PeakRSS() as warm_mem:
+        run()
+    return Prepared(run, weights, warm_mem.peak_delta, close)
 
 
-def run_torch(model: nn.Module, prompts: list[list[int]], new: int, precision: str) -> tuple[float, int, int]:
-    engine = TorchRolloutEngine(model, precision=precision)
-    engine.generate(prompts, SamplingConfig(max_new_tokens=2, seed=0))  # warm-up
-    with PeakRSS() as run_mem:
-        start = time.perf_counter()
-        batch = engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
-        elapsed = time.perf_counter() - start
-    assert batch.num_tokens == len(prompts) * new
-    return elapsed, weight_bytes(engine.model), run_mem.peak_delta
+def timed(run: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
-def run_vllm(model: nn.Module, prompts: list[list[int]], new: int, precision: str) -> tuple[float, int, int]:
-    from ais_lightning.rollout.factory import build_engine
-
-    engine = build_engine("vllm", model, precision=precision)
-    engine.generate(prompts, SamplingConfig(max_new_tokens=2, seed=0))
-    with PeakRSS() as run_mem:
-        start = time.perf_counter()
-        engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
-        elapsed = time.perf_counter() - start
-    return elapsed, -1, run_mem.peak_delta
-
-
-def paired_speedup(ref_seconds: list[float], seconds: list[float]) -> float:
-    """Median over repeats of ``ref_seconds[r] / seconds[r]``: how many times faster than the reference.
+def paired_ratios(ref_seconds: list[float], seconds: list[float]) -> list[float]:
+    """``ref_seconds[r] / seconds[r]`` per repeat: how many times faster than the reference, run by run.
 
     Both lists hold one time per round-robin repeat, so each ratio compares two runs made back to back.
     """
@@ -217,7 +247,12 @@ def paired_speedup(ref_seconds: list[float], seconds: list[float]) -> float:
         raise ValueError(
             f"need one time per repeat for both engines, got {len(ref_seconds)} and {len(seconds)}"
         )
-    return statistics.median(ref / t for ref, t in zip(ref_seconds, seconds))
+    return [ref / t for ref, t in zip(ref_seconds, seconds)]
+
+
+def paired_speedup(ref_seconds: list[float], seconds: list[float]) -> float:
+    """Median of :func:`paired_ratios`: the speed-up reported in the table."""
+    return statistics.median(paired_ratios(ref_seconds, seconds))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -247,36 +282,36 @@ def main(argv: list[str] | None = None) -> dict:
     c = model.config
     rates = gemm_rates(cfg.batch, c.hidden_size, c.intermediate_size)
 
-    best: dict[str, tuple[float, int, int]] = {}
+    prepared: dict[str, Prepared] = {}
+    memory: dict[str, int] = {}  # peak RSS growth of engines already closed
     seconds: dict[str, list[float]] = {}  # per engine, the time of each repeat
     skipped: dict[str, str] = {}
     for _ in range(args.repeats):  # round-robin, so load from other processes hits every engine alike
         for name in args.engines:
             if name in skipped:
                 continue
-            kind, _, precision = name.partition("-")
-            try:
-                if kind == "hf":
-                    res = run_hf(model, prompts, cfg.new_tokens, int8=precision == "int8")
-                elif kind == "torch":
-                    res = run_torch(model, prompts, cfg.new_tokens, precision)
-                else:
-                    res = run_vllm(model, prompts, cfg.new_tokens, precision)
-            except (ImportError, ValueError) as err:
-                skipped[name] = str(err).splitlines()[0]
-                print(f"{name}: skipped ({skipped[name]})", flush=True)
-                continue
-            print(f"{name}: {cfg.batch * cfg.new_tokens / res[0]:.0f} tok/s", flush=True)
-            seconds.setdefault(name, []).append(res[0])
-            if name not in best or res[0] < best[name][0]:
-                best[name] = (res[0], res[1], max(res[2], best.get(name, (0, 0, 0))[2]))
+            if name not in prepared:
+                try:
+                    prepared[name] = prepare(name, model, prompts, cfg.new_tokens)
+                except (ImportError, ValueError) as err:
+                    skipped[name] = str(err).splitlines()[0]
+                    print(f"{name}: skipped ({skipped[name]})", flush=True)
+                    continue
+            elapsed = timed(prepared[name].run)
+            print(f"{name}: {cfg.batch * cfg.new_tokens / elapsed:.0f} tok/s", flush=True)
+            seconds.setdefault(name, []).append(elapsed)
+            if name.startswith("vllm"):  # one vLLM LLM per process at a time: rebuilt every repeat
+                prepared[name].close()
+                memory[name] = max(memory.get(name, 0), prepared.pop(name).run_peak_bytes)
 
     rows = []
     for name in args.engines:
         if name in skipped:
             rows.append({"engine": name, "skipped": skipped[name]})
             continue
-        elapsed, wbytes, run_b = best[name]
+        elapsed = min(seconds[name])
+        wbytes = prepared[name].weight_bytes if name in prepared else -1
+        run_b = max(memory.get(name, 0), prepared[name].run_peak_bytes if name in prepared else 0)
         precision = name.partition("-")[2]
         tok_s = cfg.batch * cfg.new_tokens / elapsed
         rate = rates["int8"] if precision == "int8" else rates["fp32"]
@@ -296,7 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         for ref in ("torch-fp32", "hf-fp32"):
             if ref in seconds and "tokens_per_s" in r:
-                r[f"vs_{ref.replace('-', '_')}"] = paired_speedup(seconds[ref], seconds[r["engine"]])
+                key = f"vs_{ref.replace('-', '_')}"
+                r[key] = paired_speedup(seconds[ref], seconds[r["engine"]])
+                r[f"{key}_per_repeat"] = paired_ratios(seconds[ref], seconds[r["engine"]])
     result = {
         "config": args.config,
         "shape": asdict(cfg),
@@ -318,8 +355,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _ratio(row: dict, key: str) -> str:
-    """A ratio cell: ``2.07x``, or ``n/a`` when the reference engine was not run."""
-    return f"{row[key]:.2f}x" if key in row else "n/a"
+    """A ratio cell: ``2.07x``, with the per-repeat range when the repeats differ (``2.07x (1.90-2.30)``),
+    or ``n/a`` when the reference engine was not run."""
+    if key not in row:
+        return "n/a"
+    per_repeat = row.get(f"{key}_per_repeat", [])
+    spread = (
+        f" ({min(per_repeat):.2f}-{max(per_repeat):.2f})"
+        if min(per_repeat, default=0) != max(per_repeat, default=0)
+        else ""
+    )
+    return f"{row[key]:.2f}x{spread}"
 
 
 def markdown_table(result: dict) -> str:

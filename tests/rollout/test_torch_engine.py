@@ -8,7 +8,7 @@ import torch
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy
 from ais_lightning.rollout import RolloutEngine, SamplingConfig, TorchRolloutEngine
-from ais_lightning.rollout.torch_engine import left_pad
+from ais_lightning.rollout.torch_engine import _act_in_place, _linear_residual, _rope, _sign_sin, left_pad
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [40], [20, 21, 22, 23]]  # different lengths
 
@@ -170,6 +170,48 @@ def test_fused_qkv_equals_the_three_projections(model, precision, fused_type):
         with torch.inference_mode():
             separate = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
             assert torch.equal(fused(h), separate)
+
+
+def test_silu_runs_in_place_and_other_activations_do_not(model):
+    """The lean MLP overwrites the gate output with SiLU(gate) (bit-identical); other activations allocate."""
+    act = model.model.layers[0].mlp.act_fn  # HF's SiLUActivation
+    for silu in (act, torch.nn.SiLU()):
+        x = torch.randn(4, 7)
+        expected = torch.nn.functional.silu(x)
+        out = _act_in_place(silu, x)
+        assert out.data_ptr() == x.data_ptr() and torch.equal(out, expected)
+    x = torch.randn(4, 7)
+    before = x.clone()
+    out = _act_in_place(torch.nn.GELU(), x)
+    assert torch.equal(x, before) and torch.equal(out, torch.nn.functional.gelu(before))
+
+
+def test_rope_equals_hf_rotate_half_exactly():
+    """The folded-sign rotation equals HF's ``x * cos + rotate_half(x) * sin`` (up to addcmul's FMA rounding)."""
+    from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+    torch.manual_seed(0)
+    x, cos, sin = torch.randn(3, 4, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)  # x [N, heads, D]
+    torch.testing.assert_close(
+        _rope(x, cos, _sign_sin(sin)), x * cos + rotate_half(x) * sin, rtol=0, atol=1e-6
+    )
+    swapped_sign = _rope(x, torch.zeros_like(cos), _sign_sin(sin))  # rotate_half(x) * sin alone: exact
+    assert torch.equal(swapped_sign, rotate_half(x) * sin)
+
+
+@pytest.mark.parametrize("backend", ["int8", "emulate"])
+def test_residual_add_in_place_is_exact_and_leaves_the_stream_alone(backend):
+    """QuantLinear outputs take the residual in place: bit-identical to ``x + linear(h)``, ``x`` untouched."""
+    from ais_lightning.quant import QuantLinear
+
+    torch.manual_seed(0)
+    linear = QuantLinear.from_linear(torch.nn.Linear(16, 8), "int8", backend=backend)
+    x, h = torch.randn(3, 8), torch.randn(3, 16)
+    x_before = x.clone()
+    with torch.inference_mode():
+        out = _linear_residual(x, h, linear)
+        expected = x_before + linear(h)
+    assert torch.equal(out, expected) and torch.equal(x, x_before) and out.data_ptr() != x.data_ptr()
 
 
 def test_bf16_and_fp8_kv_cache_are_close_but_not_equal(model):

@@ -77,6 +77,11 @@ def test_repeats_pair_ratios_within_each_round(tmp_path):
     assert len(ref["seconds"]) == len(int8["seconds"]) == 2
     per_round = [a / b for a, b in zip(ref["seconds"], int8["seconds"])]
     assert int8["vs_torch_fp32"] == pytest.approx(sum(per_round) / 2)
+    assert int8["vs_torch_fp32_per_repeat"] == pytest.approx(per_round)
+    lo, hi = sorted(per_round)
+    table = bench.markdown_table(result)
+    assert f"| {sum(per_round) / 2:.2f}x ({lo:.2f}-{hi:.2f}) |" in table
+    assert "| 1.00x |" in table  # the reference against itself: no range
     assert int8["tokens_per_s"] == pytest.approx(result["shape"]["batch"] * 2 / min(int8["seconds"]))
 
 

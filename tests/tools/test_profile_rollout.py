@@ -1,0 +1,31 @@
+"""Rollout profiling tool: decode costs are per-step differences of two profiled calls (hand values), and
+a real tiny run reports rows that add up to its totals."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tools.load_tool import load_tool
+
+
+def test_decode_step_costs_subtract_the_prefill_and_divide_by_steps():
+    tool = load_tool("profile_rollout")
+    prefill = {"mm": (10.0, 4), "silu": (2.0, 2)}
+    full = {"mm": (40.0, 16), "silu": (5.0, 8), "bmm": (9.0, 6)}  # bmm: decode only
+    rows = tool.decode_step_costs(prefill, full, steps=3)
+    assert rows == [("mm", 10.0, 4.0), ("bmm", 3.0, 2.0), ("silu", 1.0, 2.0)]
+    with pytest.raises(ValueError, match="steps"):
+        tool.decode_step_costs(prefill, full, steps=0)
+
+
+def test_tiny_run_reports_consistent_totals(tmp_path):
+    tool = load_tool("profile_rollout")
+    result = tool.main(["--config", "tiny", "--precision", "fp32", "--new-tokens", "3", "--top", "4"])
+    assert result["decode_ms_per_step"] == pytest.approx(sum(ms for _, ms, _ in result["decode"]))
+    assert result["prefill_ms"] == pytest.approx(sum(ms for _, ms in result["prefill"]))
+    names = {name for name, _, _ in result["decode"]}
+    assert "aten::bmm" in names  # the decode step's attention GEMMs
+    table = tool.markdown(result, 4)
+    assert table.count("| aten::") + table.count("| (all other") >= 5
+    with pytest.raises(SystemExit):
+        tool.main(["--config", "tiny", "--new-tokens", "1"])

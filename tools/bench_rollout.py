@@ -16,7 +16,7 @@ touched, as in an RL loop that rolls out every step; memory is sampled then), an
 reuse it with no sampling thread competing for the cores. vLLM (one ``LLM`` per process at a time)
 is rebuilt and warmed up every repeat.
 
-``--repeats R`` runs the engines round-robin R times. tokens/s, ms/step, memory and roofline come
+``--repeats R`` runs the engines round-robin R times. tokens/s, ms/step and roofline come
 from each engine's best time (best-of-R is the least noisy estimate of what the code can do); the
 "vs" ratios are *paired*: the median over repeats of the ratio of the two engines' times within the
 same repeat, where they ran back to back under the same machine load (on a shared machine the load
@@ -176,12 +176,12 @@ def gemm_rates(m: int, k: int, n: int, seconds: float = 1.0) -> dict[str, float]
 
 @dataclass
 class Prepared:
-    """An engine built and warmed up: ``run()`` does one timed-size ``generate``; ``close()`` frees it."""
+    """An engine built and warmed up: ``run()`` does one timed-size ``generate``; ``close()``, if any, frees it."""
 
     run: Callable[[], None]
     weight_bytes: int  # -1 when not measurable (vLLM owns its weights)
     run_peak_bytes: int  # peak RSS growth during the full-length warm-up generate
-    close: Callable[[], None] = lambda: None
+    close: Callable[[], None] | None = None  # only vLLM holds resources beyond Python objects
 
 
 def prepare(name: str, model: nn.Module, prompts: list[list[int]], new: int) -> Prepared:
@@ -193,6 +193,7 @@ def prepare(name: str, model: nn.Module, prompts: list[list[int]], new: int) -> 
     Raises ImportError / ValueError when the engine cannot run here.
     """
     kind, _, precision = name.partition("-")
+    close = None
     if kind == "hf":
         if precision == "int8":
             from ais_lightning.quant import get_recipe, quantize_model
@@ -212,11 +213,11 @@ def prepare(name: str, model: nn.Module, prompts: list[list[int]], new: int) -> 
         def run() -> None:
             model.generate(**kwargs, max_new_tokens=new, min_new_tokens=new)
 
-        weights, close = weight_bytes(model), lambda: None
+        weights = weight_bytes(model)
     else:
         if kind == "torch":
             engine = TorchRolloutEngine(model, precision=precision)
-            weights, close = weight_bytes(engine.model), lambda: None
+            weights = weight_bytes(engine.model)
         else:
             from ais_lightning.rollout.factory import build_engine
 
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
     rates = gemm_rates(cfg.batch, c.hidden_size, c.intermediate_size)
 
     prepared: dict[str, Prepared] = {}
-    memory: dict[str, int] = {}  # peak RSS growth of engines already closed
+    weights: dict[str, int] = {}  # per engine, weight bytes (-1: not measurable)
+    memory: dict[str, int] = {}  # per engine, the largest warm-up peak RSS growth
     seconds: dict[str, list[float]] = {}  # per engine, the time of each repeat
     skipped: dict[str, str] = {}
     for _ in range(args.repeats):  # round-robin, so load from other processes hits every engine alike
@@ -297,12 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
                     skipped[name] = str(err).splitlines()[0]
                     print(f"{name}: skipped ({skipped[name]})", flush=True)
                     continue
+                weights[name] = prepared[name].weight_bytes
+                memory[name] = max(memory.get(name, 0), prepared[name].run_peak_bytes)
             elapsed = timed(prepared[name].run)
             print(f"{name}: {cfg.batch * cfg.new_tokens / elapsed:.0f} tok/s", flush=True)
             seconds.setdefault(name, []).append(elapsed)
             if name.startswith("vllm"):  # one vLLM LLM per process at a time: rebuilt every repeat
-                prepared[name].close()
-                memory[name] = max(memory.get(name, 0), prepared.pop(name).run_peak_bytes)
+                prepared.pop(name).close()  # vLLM engines always have close
 
     rows = []
     for name in args.engines:
@@ -310,8 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append({"engine": name, "skipped": skipped[name]})
             continue
         elapsed = min(seconds[name])
-        wbytes = prepared[name].weight_bytes if name in prepared else -1
-        run_b = max(memory.get(name, 0), prepared[name].run_peak_bytes if name in prepared else 0)
+        wbytes, run_b = weights[name], memory[name]
         precision = name.partition("-")[2]
         tok_s = cfg.batch * cfg.new_tokens / elapsed
         rate = rates["int8"] if precision == "int8" else rates["fp32"]

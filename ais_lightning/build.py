@@ -1,139 +1,153 @@
-"""Build the training components from a composed ``TrainConfig`` (see ``ais_lightning.config``).
+"""Build a run's components from a composed config, validating everything before anything heavy starts.
 
-Each builder is small and usable on its own, e.g. ``build_corrector(cfg.corrector)`` in a
-user's own LightningModule.
+:func:`validate` instantiates every cheap component once (task, corrector, loss, the settings of each
+group, the policy spec) with ``hydra.utils.instantiate``, asks the engine class to check its arguments
+(no model is built), applies the rules that involve several groups, and returns the built
+:class:`Components`. Every error is a ``ValueError`` that names the config key::
+
+    corrector.c_high must be >= 1 (ratio 1 = on-policy must stay in range), got 0.5 [corrector: ...TIS]
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import torch
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ais_lightning.correctors import build_corrector as _corrector_by_name
-from ais_lightning.losses import GRPOLoss, TBPOLoss
-from ais_lightning.policy import Policy
-from ais_lightning.rollout.factory import build_engine, validate_engine_config
-from ais_lightning.tasks import Task, get_task
+from ais_lightning.correctors import NoCorrection
 
-_CORRECTOR_FIELDS = {
-    "none": (),
-    "tis": ("level", "c_high", "c_low"),
-    "mis": ("level", "c_low", "c_high", "veto"),
-    "ais": (
-        "c",
-        "kappa",
-        "alpha",
-        "beta",
-        "lambda_min",
-        "lambda_max",
-        "use_reliability",
-        "use_severity",
-        "use_variance",
-        "ema_decay",
-        "fixed_lambda",
-    ),
-}
+GROUPS = ("policy", "rollout", "loss", "corrector", "task", "algorithm", "warmstart", "trainer", "logger")
+"""The config groups of ``ais-train``, in the order they are built."""
 
 
-def build_corrector(cfg: DictConfig) -> torch.nn.Module:
-    """The corrector named by ``cfg.name`` with the fields that apply to it.
+@dataclass
+class Components:
+    """Everything a run needs, built and validated; only the policy and the engines remain to build."""
 
-    ``qarl`` corrects in its loss (TBPO's trust band) and by aligning the trainer's forward, so its
-    per-token corrector is ``NoCorrection`` (which still reports the raw ratio statistics).
-    """
-    if cfg.name == "qarl":
-        return _corrector_by_name("none")
-    fields = _CORRECTOR_FIELDS.get(cfg.name)
-    if fields is None:
-        raise ValueError(f"corrector.name={cfg.name!r} is not one of {list(_CORRECTOR_FIELDS)}")
-    kwargs = {k: cfg[k] for k in fields}
-    if cfg.name == "mis" and kwargs["c_low"] is None:
-        kwargs["c_low"] = 1.0 / kwargs["c_high"]
-    return _corrector_by_name(cfg.name, **kwargs)
-
-
-def build_policy(cfg: DictConfig, seed: int) -> tuple[Policy, Any]:
-    """(policy, tokenizer): the built-in tiny Qwen3 or a local Hugging Face directory."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.name == "tiny_qwen3":
-        from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
-
-        overrides = OmegaConf.to_container(cfg.overrides, resolve=True) if cfg.overrides else {}
-        model = build_tiny_qwen3(seed=seed, **overrides).to(dtype)
-        return Policy(model), build_char_tokenizer()
-    from transformers import AutoTokenizer
-
-    policy = Policy.from_pretrained(cfg.path, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return policy, tokenizer
+    policy: Any
+    """The policy spec: ``policy.build(seed)`` makes the ``Policy`` (e.g. ``ais_lightning.policy.TinyQwen3``)."""
+    engine: Callable[..., Any]
+    """``engine(model)`` builds the rollout engine (a ``functools.partial`` of the engine class)."""
+    eval_engine: Callable[..., Any] | None
+    """The same engine at the trainer's precision (fp32), for validation accuracy; None if not available."""
+    loss: Any
+    corrector: Any
+    task: Any
+    algorithm: Any
+    warmstart: Any
+    trainer: Any
+    logger: Any
 
 
-def align_policy(policy: Policy, aligned: str | None, rollout_precision: str) -> Policy:
-    """QaRL: quantize the trainer's linears with the rollout's recipe (emulated, straight-through grads).
-
-    ``aligned="rollout"`` takes the recipe the torch engine uses for ``rollout_precision``. State-dict
-    keys are unchanged, so weight sync and checkpoints work as before.
-    """
-    if aligned is None:
-        return policy
-    from ais_lightning.quant import get_recipe, quantize_model
-
-    recipe = get_recipe(rollout_precision if aligned == "rollout" else aligned)
-    quantize_model(policy.model, recipe, backend="emulate")
-    return policy
+def _arguments(node: DictConfig) -> dict[str, Any]:
+    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
 
 
-def build_task(cfg: DictConfig) -> Task:
-    params = OmegaConf.to_container(cfg.params, resolve=True) if cfg.params else {}
+def _explain(group: str, node: DictConfig, err: BaseException) -> str:
+    """A message naming the key: ``<group>.<argument> ...`` when the error names an argument."""
+    target = node.get("_target_", "?")
+    text = str(err)
+    match = re.search(r"unexpected keyword argument '(\w+)'", text)
+    if isinstance(err, TypeError) and match:
+        return f"{group}.{match.group(1)} is not an argument of {target}"
+    match = re.search(r"missing \d+ required (?:positional|keyword-only) arguments?: '(\w+)'", text)
+    if isinstance(err, TypeError) and match:
+        return f"{group}.{match.group(1)} is required by {target}"
+    first = re.match(r"[A-Za-z_]\w*", text)
+    if first and first.group(0) in node:
+        return f"{group}.{text} [{group}: {target}]"
+    return f"{group}: {text} [{group}: {target}]"
+
+
+def build_option(cfg: DictConfig, group: str, **runtime: Any) -> Any:
+    """``instantiate(cfg[group], **runtime)`` with errors re-raised as ValueError naming the config key."""
+    node = cfg[group]
+    if "_target_" not in node:
+        raise ValueError(f"{group} has no _target_: pick an option ({group}=...) or give {group}._target_")
     try:
-        return get_task(cfg.name, **params)
-    except TypeError as err:
-        raise ValueError(f"task.params do not fit task {cfg.name!r}: {err}") from err
+        return instantiate(node, **runtime)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if cause is None or "Error locating target" in str(err):
+            raise ValueError(
+                f"{group}._target_={node._target_!r} cannot be imported: {cause or err}"
+            ) from err
+        raise ValueError(_explain(group, node, cause)) from cause
 
 
-def engine_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    kwargs = dict(OmegaConf.to_container(cfg.engine_kwargs, resolve=True) if cfg.engine_kwargs else {})
-    if cfg.kv_cache_dtype is not None:
-        kwargs["kv_cache_dtype"] = cfg.kv_cache_dtype
-    return kwargs
+def check_engine(cfg: DictConfig) -> Callable[..., Any]:
+    """The engine class of ``cfg.rollout``, its arguments checked without building a model."""
+    node = cfg.rollout
+    try:
+        engine_cls = get_object(node._target_)
+    except Exception as err:
+        raise ValueError(f"rollout._target_={node._target_!r} cannot be imported: {err}") from err
+    check = getattr(engine_cls, "check_args", None)
+    if check is not None:
+        try:
+            check(**_arguments(node))
+        except (TypeError, ValueError) as err:
+            raise ValueError(_explain("rollout", node, err)) from err
+    return engine_cls
 
 
-def check_engine(cfg: DictConfig) -> None:
-    """Fail at config time for an unknown or uninstalled engine/precision (nothing heavy is built)."""
-    validate_engine_config(cfg.engine, cfg.precision, **engine_kwargs(cfg))
-
-
-def engine_factory(cfg: DictConfig, precision: str | None = None):
-    """A callable ``model -> RolloutEngine`` for ``cfg`` (precision overridable, e.g. fp32 for evaluation)."""
-    return functools.partial(
-        build_engine, cfg.engine, precision=precision or cfg.precision, **engine_kwargs(cfg)
-    )
-
-
-def build_loss(
-    cfg: DictConfig, max_response_length: int, corrector: DictConfig | None = None
-) -> torch.nn.Module:
-    """GRPO's clipped surrogate, or TBPO when the corrector is QaRL."""
-    if corrector is not None and corrector.name == "qarl":
-        return TBPOLoss(
-            epsilon_low=corrector.tbpo_epsilon_low,
-            epsilon_high=corrector.tbpo_epsilon_high,
-            dual_clip=corrector.tbpo_dual_clip,
-            band_low=corrector.band_low,
-            band_high=corrector.band_high,
+def _check_missing(cfg: DictConfig) -> None:
+    missing = [
+        f"{group}.{key}"
+        for group in GROUPS
+        if isinstance(cfg.get(group), DictConfig)
+        for key in sorted(OmegaConf.missing_keys(cfg[group]))
+    ]
+    if missing:
+        raise ValueError(
+            f"{missing[0]} is required (its value is ??? in the config); set it on the command line, "
+            f"e.g. {missing[0]}=..."
         )
-    return GRPOLoss(
-        epsilon_low=cfg.epsilon_low,
-        epsilon_high=cfg.epsilon_high,
-        dual_clip=cfg.dual_clip,
-        kl_coef=cfg.kl_coef,
-        entropy_coef=cfg.entropy_coef,
-        aggregation=cfg.aggregation,
-        max_response_length=max_response_length,
-        mode=cfg.mode,
+
+
+def _check_combination(c: Components, cfg: DictConfig) -> None:
+    """The rules that involve several groups."""
+    own = getattr(c.loss, "own_correction", None)
+    if own and not isinstance(c.corrector, NoCorrection):
+        raise ValueError(
+            f"{own}; it takes no separate importance weights: set corrector=none "
+            f"(got corrector._target_={cfg.corrector._target_})"
+        )
+    corrected = own or not isinstance(c.corrector, NoCorrection)
+    if corrected and (c.algorithm.top_p < 1.0 or c.algorithm.top_k > 0):
+        raise ValueError(
+            "algorithm.top_p/top_k renormalize mu over the kept tokens; with a corrector on keep top_p=1.0 "
+            "and top_k=0"
+        )
+    aligned = getattr(c.policy, "aligned_quantization", None)
+    if aligned is not None and c.trainer.strategy != "auto":
+        raise ValueError(
+            "policy.aligned_quantization is not supported with sharded strategies yet (trainer.strategy)"
+        )
+
+
+def validate(cfg: DictConfig) -> Components:
+    """Build and check every cheap component of a composed ``ais-train`` config; raises ValueError naming the key.
+
+    Types and unknown keys were already checked at composition by the schemas; this builds the objects
+    (whose constructors check their own arguments) and adds the rules that involve several groups.
+    Nothing heavy is built: no model, no engine.
+    """
+    _check_missing(cfg)
+    engine_cls = check_engine(cfg)
+    built = {g: build_option(cfg, g) for g in GROUPS if g != "rollout"}
+    engine_args = _arguments(cfg.rollout)
+    eval_engine = None
+    if getattr(engine_cls, "has_trainer_precision_copy", False):
+        eval_engine = functools.partial(engine_cls, **{**engine_args, "precision": "fp32"})
+    components = Components(
+        engine=functools.partial(engine_cls, **engine_args), eval_engine=eval_engine, **built
     )
+    _check_combination(components, cfg)
+    return components

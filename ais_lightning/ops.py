@@ -1,15 +1,18 @@
 """Small pure-tensor helpers shared by correctors, losses and diagnostics.
 
-Conventions (design.md section 2): log-prob tensors are ``[B, T]`` floats, ``mask`` is a
+Conventions (docs/design.md section 2): log-prob tensors are ``[B, T]`` floats, ``mask`` is a
 ``[B, T]`` bool tensor with True on valid response tokens. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 LOG_RATIO_CLAMP = 20.0
-"""Log-ratios log(pi) - log(mu) are clamped to +-20 before ``exp`` (design.md section 3)."""
+"""Log-ratios log(pi) - log(mu) are clamped to +-20 before ``exp`` (docs/design.md section 3)."""
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,6 +29,24 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.
         ids[i, cols] = torch.as_tensor(s, dtype=torch.long)
         mask[i, cols] = True
     return ids, mask
+
+
+def take_rows(value: Any, index: torch.Tensor) -> Any:
+    """The rows ``index`` (``[R]`` long) of ``value``: a tensor (first dim), a list, or a dict or dataclass
+    of those (recursively, so one call slices a whole rollout step); anything else is returned as is.
+    """
+    if isinstance(value, torch.Tensor):
+        return value[index]
+    if isinstance(value, list):
+        return [value[i] for i in index.tolist()]
+    if isinstance(value, dict):
+        return {k: take_rows(v, index) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: take_rows(getattr(value, f.name), index) for f in dataclasses.fields(value) if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
 
 
 def check_mask(mask: torch.Tensor, name: str = "mask") -> None:

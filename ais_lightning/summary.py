@@ -33,6 +33,7 @@ def summarize(history: list[dict[str, float]], window: int = 10) -> dict[str, An
         "lambda_trajectory": {
             int(history[i]["step"]): lambdas[i] for i in picks if math.isfinite(lambdas[i])
         },
+        "reward_failures": int(sum(h.get("reward_failed", 0.0) for h in history)),
     }
 
 
@@ -52,6 +53,13 @@ def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None)
         if summary["lambda_trajectory"]:
             traj = "  ".join(f"{s}:{v:.3f}" for s, v in summary["lambda_trajectory"].items())
             lines.append(f"AIS lambda (step:val)  {traj}")
+        if summary.get("reward_failures"):
+            lines.append(
+                f"WARNING               the reward function failed on {summary['reward_failures']} samples "
+                "(scored 0; its errors are in the log)"
+            )
+    if summary.get("status", "finished") != "finished":
+        lines.append(f"STATUS                {summary['status'].upper()}: the run did not reach max_steps")
     for key, value in (extra or {}).items():
         lines.append(f"{key:<22}{value}")
     lines.append("=" * 64)

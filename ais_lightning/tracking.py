@@ -8,11 +8,38 @@ points at a server instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
+
+LOGGERS = ("mlflow", "csv", "none")
+
+
+@dataclass
+class LoggerSettings:
+    """Experiment tracking (the ``logger`` group of ``ais-train``); each default lives here only."""
+
+    name: str = "mlflow"
+    """mlflow | csv | none."""
+    experiment_name: str = "ais_lightning"
+    """MLflow experiment."""
+    run_name: str | None = None
+    """MLflow run name (default: the run's command-line overrides)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else a SQLite store under the output directory."""
+
+    def __post_init__(self) -> None:
+        if self.name not in LOGGERS:
+            raise ValueError(f"name must be one of {list(LOGGERS)}, got {self.name!r}")
+        if not self.experiment_name:
+            raise ValueError("experiment_name must be a non-empty string")
 
 
 def default_store_root(output_dir: str) -> Path:
@@ -75,28 +102,172 @@ def run_name_from_overrides() -> str | None:
     return None
 
 
-def build_logger(cfg: DictConfig) -> Any:
-    """The Lightning logger for ``cfg.logger`` (MLflow, CSV or none)."""
-    name = cfg.logger.name
-    if name == "none":
+@contextlib.contextmanager
+def store_lock(lock_path: Path | None) -> Iterator[None]:
+    """An exclusive lock on ``lock_path`` held across processes (``fcntl.flock``); no-op for None.
+
+    Several processes writing one SQLite MLflow store (a parallel sweep on the default store) fail when
+    two of them create the schema at once (``duplicate column name``, alembic "Online migration
+    expected to match one row") or write at once ("database is locked"); holding this lock around every
+    store call serializes them.
+    """
+    if lock_path is None:
+        yield
+        return
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _LockedClient:
+    """An ``MlflowClient`` whose every method call holds the store lock (see :func:`store_lock`)."""
+
+    def __init__(self, client: Any, lock_path: Path) -> None:
+        self._client, self._lock_path = client, lock_path
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with store_lock(self._lock_path):
+                return attr(*args, **kwargs)
+
+        return locked
+
+
+def sqlite_lock_path(uri: str) -> Path | None:
+    """``<db>.lock`` beside a ``sqlite:///`` store; None for servers and other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri.removeprefix("sqlite:///"))
+    return db.with_name(db.name + ".lock")
+
+
+def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, str] | None = None) -> Any:
+    """The Lightning logger for ``settings`` (MLflow, CSV, or False for none).
+
+    ``resume``: the MLflow run a checkpoint belongs to (:func:`mlflow_run_of`); its run continues, in the
+    store it was logged to unless ``settings``/``$MLFLOW_TRACKING_URI`` name another store explicitly.
+    """
+    if settings.name == "none":
         return False
-    if name == "csv":
+    if settings.name == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
-        return CSVLogger(save_dir=cfg.output_dir, name="csv")
+        return CSVLogger(save_dir=output_dir, name="csv")
     from lightning.pytorch.loggers import MLFlowLogger
 
-    uri = resolve_tracking_uri(cfg.logger.tracking_uri, cfg.output_dir)
+    explicit = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    run_id = None
+    if resume and (not explicit or explicit == resume.get("tracking_uri")):
+        uri, run_id = resume["tracking_uri"], resume["run_id"]
+    else:
+        uri = resolve_tracking_uri(settings.tracking_uri, output_dir)
     artifact_location = None
     if uri.startswith("sqlite:///"):
         artifact_location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts")
-    return MLFlowLogger(
-        experiment_name=cfg.logger.experiment_name,
-        run_name=cfg.logger.run_name or run_name_from_overrides(),
-        tracking_uri=uri,
-        artifact_location=artifact_location,
-        synchronous=True,
-    )
+    lock = sqlite_lock_path(uri)
+    with store_lock(lock):
+        logger = MLFlowLogger(
+            experiment_name=settings.experiment_name,
+            run_name=settings.run_name or run_name_from_overrides(),
+            tracking_uri=uri,
+            artifact_location=artifact_location,
+            run_id=run_id,
+            synchronous=True,
+        )
+    if lock is not None:
+        logger._mlflow_client = _LockedClient(logger._mlflow_client, lock)
+    return logger
+
+
+def check_tracking_uri(settings: LoggerSettings, output_dir: str, timeout_s: float = 5.0) -> None:
+    """Fail now, naming ``logger.tracking_uri``, if the MLflow store cannot be reached or written.
+
+    An HTTP(S) server must answer its ``/health`` endpoint within ``timeout_s`` (MLflow's own client would
+    retry for minutes, after the warm start); a SQLite store's directory must be writable.
+    """
+    if settings.name != "mlflow":
+        return
+    uri = resolve_tracking_uri(settings.tracking_uri, output_dir)
+    key = "logger.tracking_uri" if settings.tracking_uri else "$MLFLOW_TRACKING_URI"
+    if uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as response:
+                ok = response.status == 200
+        except (urllib.error.URLError, OSError) as err:
+            raise ValueError(
+                f"{key}={uri} is not reachable (no MLflow server answered /health: {err})"
+            ) from err
+        if not ok:
+            raise ValueError(f"{key}={uri} answered /health with HTTP {response.status}")
+    elif uri.startswith("sqlite:///"):
+        check_writable(
+            Path(uri.removeprefix("sqlite:///")).parent, key if settings.tracking_uri else "output_dir"
+        )
+
+
+def check_writable(directory: Path, key: str) -> None:
+    """Raise ValueError naming ``key`` unless ``directory`` can be created and written to."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{key}: {directory} is not writable ({err})") from err
+
+
+MLFLOW_CHECKPOINT_KEY = "ais_mlflow_run"
+"""Where a checkpoint records the MLflow run it belongs to (``{"run_id", "tracking_uri"}``)."""
+
+
+class MLflowRunInCheckpoint(Callback):
+    """Lightning callback: every checkpoint records its MLflow run, so a resume continues that run."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+
+    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
+        if self.logger and hasattr(self.logger, "run_id"):
+            checkpoint[MLFLOW_CHECKPOINT_KEY] = {
+                "run_id": self.logger.run_id,
+                "tracking_uri": self.logger._tracking_uri,
+            }
+
+
+def mlflow_run_of(checkpoint: dict[str, Any]) -> dict[str, str] | None:
+    """The MLflow run a checkpoint belongs to, or None (no MLflow logger, or an older checkpoint)."""
+    return checkpoint.get(MLFLOW_CHECKPOINT_KEY)
+
+
+def option_choices() -> dict[str, str]:
+    """The option picked in each config group (``{"corrector": "tis_seq", ...}``), from Hydra; {} outside it.
+
+    Logged as MLflow params named after the groups, so runs group by the names a user typed.
+    """
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return {
+                group: str(choice)
+                for group, choice in HydraConfig.get().runtime.choices.items()
+                if not group.startswith(("hydra", "schema")) and choice is not None
+            }
+    except ImportError:  # pragma: no cover
+        pass
+    return {}
 
 
 def reopen_run(logger: Any) -> None:

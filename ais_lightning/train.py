@@ -5,6 +5,11 @@ ais-train corrector=tis rollout=fp8         # swap components
 ais-train -m corrector=none,tis,mis,ais     # a sweep: four MLflow runs in one experiment
 ais-train trainer=fsdp2                     # FSDP2 over 2 CPU processes (gloo)
 ais-train --cfg job                         # print the composed config and exit
+
+Order of a run: compose and validate everything cheap (key-named errors), check the output directory
+and the tracking store, then build the policy, warm-start it, and train. SIGTERM / Ctrl+C end the run
+with exit code 143 / 130, a summary marked interrupted and the MLflow run marked KILLED; a resume from
+a checkpoint continues the same MLflow run.
 """
 
 from __future__ import annotations
@@ -15,175 +20,174 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import lightning as L
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ais_lightning.config import register_configs, validate
+from ais_lightning.config import register_configs
 
 register_configs()
+if not OmegaConf.has_resolver("pid"):
+    # Output directories carry the process id: two runs started in the same second never share one.
+    OmegaConf.register_new_resolver("pid", os.getpid)
+
+EXIT_CODES = {"sigterm": 143, "sigint": 130}
+"""Exit codes of an interrupted run (128 + the signal number, as shells report them)."""
 
 
-def _strategy(cfg: DictConfig) -> Any:
-    if cfg.trainer.strategy == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        backend = "gloo" if cfg.trainer.accelerator == "cpu" else None
-        return ModelParallelStrategy(
-            data_parallel_size=cfg.trainer.devices, tensor_parallel_size=1, process_group_backend=backend
-        )
-    if cfg.trainer.strategy == "fsdp":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "trainer.strategy=fsdp (Lightning FSDPStrategy) needs CUDA; on CPU use trainer=fsdp2"
-            )
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        return FSDPStrategy(auto_wrap_policy={_decoder_layer_class()}, state_dict_type="full")
-    return "auto"
-
-
-def _decoder_layer_class() -> type:
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
-
-    return Qwen3DecoderLayer
-
-
-def _resolve_ckpt(ckpt_path: str | None, output_dir: str) -> str | None:
+def resolve_checkpoint(ckpt_path: str | None, output_dir: str) -> str | None:
+    """``ckpt_path``, or for ``"last"`` the newest checkpoint under ``<output_dir>/checkpoints``."""
     if ckpt_path != "last":
+        if ckpt_path is not None and not Path(ckpt_path).is_file():
+            raise ValueError(f"ckpt_path={ckpt_path} does not exist")
         return ckpt_path
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
-    if not last.exists():
-        raise ValueError(f"ckpt_path=last but {last} does not exist")
-    return str(last)
+    found = list((Path(output_dir) / "checkpoints").glob("*.ckpt"))
+    if not found:
+        raise ValueError(f"ckpt_path=last but {Path(output_dir) / 'checkpoints'} holds no checkpoint")
+    return str(max(found, key=lambda p: p.stat().st_mtime_ns))
+
+
+def _read_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint's contents (memory-mapped: the metadata is read, the tensors are not copied)."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:
+        raise ValueError(f"ckpt_path={path} cannot be read as a checkpoint: {err}") from err
+
+
+def _warm_start(policy: Any, c: Any, cfg: DictConfig) -> str:
+    """SFT warm start (or the cached one); returns what the summary says about it."""
+    from dataclasses import asdict
+
+    from ais_lightning.warmstart import warm_start
+
+    s = c.warmstart
+    if not s.enabled:
+        return "off"
+    _, cache_path, cached = warm_start(
+        policy,
+        policy.tokenizer,
+        c.task,
+        type(c.task).__qualname__,
+        asdict(c.task),
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        seed=cfg.seed if s.seed is None else s.seed,
+        cache_dir=s.cache_dir,
+        progress_bar=c.trainer.enable_progress_bar,
+    )
+    return f"{'loaded from' if cached else 'trained, cached in'} {cache_path}"
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train with a composed config; returns the summary dict."""
-    from ais_lightning.build import (
-        align_policy,
-        build_corrector,
-        build_loss,
-        build_policy,
-        build_task,
-        check_engine,
-        engine_factory,
-    )
+    import lightning as L
+    import torch
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from ais_lightning.build import validate
     from ais_lightning.modules.grpo import GRPOModule
+    from ais_lightning.noise import silence_known_noise
     from ais_lightning.summary import format_summary, summarize, write_summary
     from ais_lightning.tasks import PromptDataModule
-    from ais_lightning.tracking import build_logger, flatten_config, reopen_run
-    from ais_lightning.warmstart import warm_start
-
-    # --- cheap checks first: nothing heavy is built before the config is known to be sound.
-    validate(cfg)
-    check_engine(cfg.rollout)
-    task = build_task(cfg.task)
-    corrector = build_corrector(cfg.corrector)
-    loss = build_loss(
-        cfg.algorithm, max_response_length=cfg.algorithm.max_new_tokens, corrector=cfg.corrector
+    from ais_lightning.tracking import (
+        MLflowRunInCheckpoint,
+        build_logger,
+        check_tracking_uri,
+        check_writable,
+        flatten_config,
+        mlflow_run_of,
+        option_choices,
+        reopen_run,
     )
-    ckpt_path = _resolve_ckpt(cfg.ckpt_path, cfg.output_dir)
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    from ais_lightning.trainer import checkpoint_callback
+
+    silence_known_noise()  # also in joblib workers, where main() does not run
+    # --- cheap checks first: nothing heavy is built before the config is known to be sound.
+    c = validate(cfg)
+    check_writable(Path(cfg.output_dir), "output_dir")
+    check_tracking_uri(c.logger, cfg.output_dir)
+    ckpt_path = resolve_checkpoint(cfg.ckpt_path, cfg.output_dir)
+    checkpoint = _read_checkpoint(ckpt_path) if ckpt_path else {}
+    resume = mlflow_run_of(checkpoint) if ckpt_path else None
+    if c.trainer.num_threads:
+        torch.set_num_threads(c.trainer.num_threads)
 
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    policy, tokenizer = build_policy(cfg.policy, cfg.seed)
-    warm_info = "off"
-    if cfg.warmstart.enabled and ckpt_path is None:
-        _, cache_path, cached = warm_start(
-            policy,
-            tokenizer,
-            task,
-            cfg.task.name,
-            OmegaConf.to_container(cfg.task.params, resolve=True),
-            steps=cfg.warmstart.steps,
-            batch_size=cfg.warmstart.batch_size,
-            lr=cfg.warmstart.lr,
-            seed=cfg.seed if cfg.warmstart.seed is None else cfg.warmstart.seed,
-            cache_dir=cfg.warmstart.cache_dir,
-            progress_bar=cfg.trainer.enable_progress_bar,
-        )
-        warm_info = f"{'loaded from' if cached else 'trained, cached in'} {cache_path}"
+    policy = c.policy.build(cfg.seed)
+    warm_info = _warm_start(policy, c, cfg) if ckpt_path is None else f"off (resumed from {ckpt_path})"
 
-    align_policy(policy, cfg.policy.aligned_quantization, cfg.rollout.precision)
-
-    algo = cfg.algorithm
+    algo = c.algorithm
     module = GRPOModule(
         policy=policy,
-        tokenizer=tokenizer,
-        task=task,
-        corrector=corrector,
-        loss=loss,
-        engine_factory=engine_factory(cfg.rollout),
-        eval_engine_factory=engine_factory(cfg.rollout, precision="fp32")
-        if cfg.rollout.engine == "torch"
-        else None,
-        group_size=algo.group_size,
-        max_new_tokens=algo.max_new_tokens,
-        temperature=algo.temperature,
-        top_p=algo.top_p,
-        top_k=algo.top_k,
-        advantage_scale=algo.advantage_scale,
-        ppo_epochs=algo.ppo_epochs,
-        mini_batches=algo.mini_batches,
-        lr=algo.lr,
-        weight_decay=algo.weight_decay,
-        grad_clip=algo.grad_clip,
-        kl_coef=algo.kl_coef,
-        logprob_chunk_size=cfg.policy.logprob_chunk_size,
+        task=c.task,
+        corrector=c.corrector,
+        loss=c.loss,
+        engine_factory=c.engine,
+        settings=algo,
+        eval_engine_factory=c.eval_engine,
         seed=cfg.seed,
     )
-    world = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1
-    steps = cfg.trainer.max_steps
+    steps = c.trainer.max_steps
+    # An endless prompt stream (batch k is the same whatever max_steps is): a resume may raise max_steps.
     data = PromptDataModule(
-        task,
-        train_size=steps * algo.prompts_per_step * world,
-        val_size=cfg.task.val_size,
+        c.task,
+        train_size=None,
+        batches_per_epoch=steps,
+        val_size=algo.val_size,
         batch_size=algo.prompts_per_step,
         seed=cfg.seed,
     )
-    logger = build_logger(cfg)
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    optimizer_steps_per_rollout = algo.ppo_epochs * algo.mini_batches
-    every = cfg.trainer.checkpoint_every_n_steps * optimizer_steps_per_rollout or None
-    checkpoint = ModelCheckpoint(
-        dirpath=Path(cfg.output_dir) / "checkpoints",
-        filename="step{step:06d}",  # no "=" in the name: Hydra overrides (ckpt_path=...) take it unquoted
-        auto_insert_metric_name=False,
-        save_last=True,
-        every_n_train_steps=every,
-        save_top_k=-1 if every else 1,
-    )
+    logger = build_logger(c.logger, cfg.output_dir, resume=resume)
+    per_rollout = algo.optimizer_steps_per_rollout
+    every = c.trainer.checkpoint_every_n_steps * per_rollout or None
     trainer = L.Trainer(
-        accelerator=cfg.trainer.accelerator,
-        devices=cfg.trainer.devices,
-        strategy=_strategy(cfg),
-        precision=cfg.trainer.precision,
-        max_steps=steps * optimizer_steps_per_rollout,
-        val_check_interval=min(algo.val_every_n_steps, steps),
+        accelerator=c.trainer.accelerator,
+        devices=c.trainer.devices,
+        num_nodes=c.trainer.num_nodes,
+        strategy=c.trainer.strategy_object(type(policy.decoder_layers()[0])),
+        precision=c.trainer.precision,
+        max_steps=steps * per_rollout,
+        val_check_interval=min(algo.val_every_n_steps, steps),  # training batches = rollout steps
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=logger,
-        callbacks=[checkpoint],
-        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        callbacks=[checkpoint_callback(cfg.output_dir, every), MLflowRunInCheckpoint(logger)],
+        enable_progress_bar=c.trainer.enable_progress_bar,
         enable_model_summary=False,
         log_every_n_steps=1,
         default_root_dir=cfg.output_dir,
     )
-    if logger:
-        logger.log_hyperparams(flatten_config(cfg))
-    start_val: dict[str, float] = {}
-    if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
-        (start_val,) = trainer.validate(module, datamodule=data, verbose=False)
-        reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if logger and resume is None:
+        logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
+    elif logger and hasattr(logger, "run_id"):
+        reopen_run(logger)  # continue the checkpoint's run; its params stay those of its first start
+        logger.experiment.set_tag(
+            logger.run_id, f"resumed_at_step_{checkpoint.get('global_step')}", ckpt_path
+        )
+
+    status = "finished"
+    try:
+        if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
+            (start,) = trainer.validate(module, datamodule=data, verbose=False)
+            module.validation_start = {k: float(v) for k, v in start.items()}
+            reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except SIGTERMException:
+        status = "sigterm"
+    except SystemExit as exc:  # Lightning turns Ctrl+C into sys.exit(1) after finalizing the loggers
+        if trainer.state.status.value != "interrupted":
+            raise
+        status = "sigint" if exc.code == 1 else "sigterm"
+    except KeyboardInterrupt:
+        status = "sigint"
 
     summary = summarize(module.history)
+    summary["status"] = "finished" if status == "finished" else "interrupted"
     val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    summary["validation_start"] = {k: float(v) for k, v in start_val.items()}
+    summary["validation_start"] = dict(module.validation_start)
     summary["validation"] = val
     summary["wall_time_s"] = time.perf_counter() - started
     if trainer.is_global_zero:
@@ -198,11 +202,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         files.append(Path(cfg.output_dir, "config.yaml"))
         if logger and hasattr(logger, "run_id"):
             _log_to_mlflow(logger, summary, files)
+            if status != "finished":
+                logger.experiment.set_terminated(logger.run_id, "KILLED")
             extra["mlflow"] = (
-                f"{logger._tracking_uri} (experiment {cfg.logger.experiment_name!r}, run {logger.run_id})"
+                f"{logger._tracking_uri} (experiment {c.logger.experiment_name!r}, run {logger.run_id})"
             )
         extra["outputs"] = str(Path(cfg.output_dir).absolute())
         print(format_summary(summary, extra), flush=True)
+    if status != "finished":
+        raise SystemExit(EXIT_CODES[status])
     return summary
 
 
@@ -223,7 +231,10 @@ def _hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     """Console-script entry point (``ais-train``)."""
+    from ais_lightning.noise import silence_known_noise
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    silence_known_noise()
     _hydra_main()
 
 

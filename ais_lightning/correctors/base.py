@@ -1,14 +1,13 @@
 """What every corrector shares: the output type, input validation, the level ratio and the stats.
 
 A corrector maps ``(train_logprobs, rollout_logprobs, mask)`` to per-token weights and a mask of
-the tokens that stay in the loss (design.md section 3). The importance ratio is always
+the tokens that stay in the loss (docs/design.md section 3). The importance ratio is always
 ``w = pi_old / mu = exp(delta)`` with ``delta = clamp(log pi_old - log mu, -20, 20)``
 (see ``ais_lightning.ops.log_ratio``). Pure torch, no Lightning import.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,14 +22,14 @@ LEVELS = ("token", "sequence", "geometric")
 
 @dataclass
 class CorrectionOutput:
-    """The result of a corrector call (design.md section 3)."""
+    """The result of a corrector call (docs/design.md section 3)."""
 
     weights: torch.Tensor
     """``[B, T]`` float32, detached; multiplies the per-token policy-gradient loss; 0 where not ``mask``."""
     mask: torch.Tensor
     """``[B, T]`` bool: tokens that stay in the loss AND in its denominator (a subset of the input mask)."""
     stats: dict[str, float] = field(default_factory=dict)
-    """Raw (pre-correction) ratio statistics and what was clipped / masked, as Python floats."""
+    """What was clipped / masked, the mean kept weight, and corrector-specific diagnostics, as Python floats."""
 
 
 class RawCorrection(NamedTuple):
@@ -70,49 +69,22 @@ def level_ratio(delta: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Te
 
     ``token``: ``exp(delta)``; ``sequence``: ``exp(sum_t delta)`` (product of token ratios);
     ``geometric``: ``exp(mean_t delta)``. Sequence-level log-ratios are clamped to +-20 by
-    ``ops.sequence_log_ratio`` so that the product cannot overflow (design.md section 7).
+    ``ops.sequence_log_ratio`` so that the product cannot overflow (docs/design.md section 7).
     """
     check_level(level)
     log_w = delta if level == "token" else ops.sequence_log_ratio(delta, mask, level)  # [B, T]
     return torch.where(mask, torch.exp(log_w), torch.zeros_like(log_w))
 
 
-def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
-    """Max (or min) of ``x`` over valid tokens; 0 when there are none."""
-    fill = -math.inf if largest else math.inf
-    filled = torch.where(mask, x, torch.full_like(x, fill))
-    value = filled.max() if largest else filled.min()
-    return torch.where(mask.any(), value, torch.zeros_like(value))
-
-
-def ratio_stats(
-    delta: torch.Tensor, mask: torch.Tensor, c_high: float, c_low: float
-) -> dict[str, torch.Tensor]:
-    """Token-level raw ratio statistics over valid tokens, before any correction.
-
-    Keys ``ratio/mean``, ``ratio/min``, ``ratio/max``, ``ratio/frac_above_c_high`` (w > c_high) and
-    ``ratio/frac_below_c_low`` (w < c_low). All 0 when the mask is empty.
-    """
-    w = torch.exp(delta)  # [B, T]
-    n = mask.sum().clamp(min=1).to(w.dtype)
-    return {
-        "ratio/mean": ops.masked_mean(w, mask),
-        "ratio/min": _masked_extreme(w, mask, largest=False),
-        "ratio/max": _masked_extreme(w, mask, largest=True),
-        "ratio/frac_above_c_high": (mask & (w > c_high)).sum().to(w.dtype) / n,
-        "ratio/frac_below_c_low": (mask & (w < c_low)).sum().to(w.dtype) / n,
-    }
-
-
 class Corrector(nn.Module):
     """Base class: validates inputs, computes ``delta``, calls ``correct`` and assembles the stats.
 
-    Subclasses set ``stat_c_high`` / ``stat_c_low`` (the thresholds of the raw-ratio stats) and
-    implement ``correct``. Everything runs without grad; weights come back detached (verl #4105).
+    Subclasses implement ``correct``. Everything runs without grad; weights come back detached
+    (verl #4105). ``stats`` say what the corrector did (``corrector/clipped_frac``,
+    ``corrector/masked_frac``, ``corrector/weight_mean``) plus its own diagnostics; the raw ratio
+    statistics (mean, min, max, fractions beyond a bound) are the diagnostics' job
+    (``ais_lightning.diagnostics.MismatchDiagnostics``), computed from the same ``delta``.
     """
-
-    stat_c_high: float = 2.0
-    stat_c_low: float = 0.5
 
     def correct(
         self,
@@ -138,23 +110,38 @@ class Corrector(nn.Module):
             train_logprobs: ``[B, T]`` log pi_old of the sampled tokens (high-precision trainer).
             rollout_logprobs: ``[B, T]`` log mu of the same tokens (rollout engine, same temperature).
             mask: ``[B, T]`` bool, True on valid response tokens.
-            advantages: optional ``[B]`` or ``[B, T]`` advantages (used by AIS only).
-            entropy: optional ``[B, T]`` trainer token entropy in nats (used by AIS only).
+            advantages: optional ``[B]`` or ``[B, T]`` advantages (for correctors that use them).
+            entropy: optional ``[B, T]`` trainer token entropy in nats (for correctors that use it).
         """
         ops.check_logprob_inputs(
             train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
         )
+        delta = ops.log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T] float32
+        return self.from_log_ratio(delta, mask, advantages=advantages, entropy=entropy)
+
+    def from_log_ratio(
+        self,
+        delta: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ) -> CorrectionOutput:
+        """Correct one batch from an already validated log-ratio (no input checks).
+
+        ``delta`` is ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)`` (``[B, T]``, clamped,
+        0 on masked tokens): a caller that feeds the same batch to the diagnostics computes it once.
+        """
         with torch.no_grad():
-            delta = ops.log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T] float32
             raw = self.correct(delta, mask, advantages, entropy)
             keep = raw.keep & mask  # [B, T]
             weights = torch.where(keep, raw.weights.float(), torch.zeros_like(delta))  # [B, T]
             n = mask.sum().clamp(min=1).float()
-            stats = ratio_stats(delta, mask, self.stat_c_high, self.stat_c_low)
-            stats["corrector/clipped_frac"] = (raw.clipped & mask).sum().float() / n
-            stats["corrector/masked_frac"] = (mask & ~keep).sum().float() / n
-            stats["corrector/weight_mean"] = ops.masked_mean(weights, keep)
-            stats.update(raw.extra_stats)
+            stats = {
+                "corrector/clipped_frac": (raw.clipped & mask).sum().float() / n,
+                "corrector/masked_frac": (mask & ~keep).sum().float() / n,
+                "corrector/weight_mean": ops.masked_mean(weights, keep),
+                **raw.extra_stats,
+            }
             # One device->host transfer for all stats.
             values = torch.stack([v.detach().double().reshape(()) for v in stats.values()]).tolist()
         return CorrectionOutput(

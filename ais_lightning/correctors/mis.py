@@ -37,8 +37,6 @@ class MIS(Corrector):
         self.c_low = float(c_low)
         self.c_high = float(c_high)
         self.veto = None if veto is None else float(veto)
-        self.stat_c_high = self.c_high
-        self.stat_c_low = self.c_low
 
     def correct(
         self,

@@ -20,8 +20,7 @@ class TIS(Corrector):
         level: ``"token"`` (w per token), ``"sequence"`` (product of the token ratios of the
             response, broadcast to its tokens) or ``"geometric"`` (geometric mean, broadcast).
         c_high: upper truncation C >= 1.
-        c_low: optional lower truncation in [0, 1]; None = no lower bound. Also the threshold of
-            ``ratio/frac_below_c_low`` (1/c_high when None).
+        c_low: optional lower truncation in [0, 1]; None = no lower bound.
     """
 
     def __init__(self, level: str = "token", c_high: float = 2.0, c_low: float | None = None) -> None:
@@ -31,8 +30,6 @@ class TIS(Corrector):
         self.level = level
         self.c_high = float(c_high)
         self.c_low = None if c_low is None else float(c_low)
-        self.stat_c_high = self.c_high
-        self.stat_c_low = 1.0 / self.c_high if self.c_low is None else self.c_low
 
     def correct(
         self,

@@ -20,12 +20,20 @@ STATE_DTYPE = torch.float64
 
 
 def checked_log_ratio(
-    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    log_ratio_: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Validate the shared signature and return delta = clamp(log pi - log mu, +-20) in float64.
 
     Zero on masked tokens, detached (``ais_lightning.ops.log_ratio``).  # [B, T]
+    ``log_ratio_``: that delta, already computed (and the inputs validated) by the caller, e.g. a
+    training loop that feeds one batch to a corrector and to every metric; then nothing is
+    re-validated or recomputed.
     """
+    if log_ratio_ is not None:
+        return log_ratio_.detach().to(STATE_DTYPE)
     check_logprob_inputs(train_logprobs, rollout_logprobs, mask)
     return log_ratio(train_logprobs, rollout_logprobs, mask).to(STATE_DTYPE)
 
@@ -86,14 +94,20 @@ class MaskedMeanMetric(Metric):
 class LogRatioMeanMetric(MaskedMeanMetric):
     """Mean of a function of the log-ratio delta over valid tokens (or sequences).
 
-    ``update(train_logprobs, rollout_logprobs, mask)`` validates with
-    ``ais_lightning.ops.check_logprob_inputs`` and accumulates ``_values(delta, mask)``.
+    ``update(train_logprobs, rollout_logprobs, mask, log_ratio=None)`` validates with
+    ``ais_lightning.ops.check_logprob_inputs`` (unless the caller passes the precomputed ``log_ratio``)
+    and accumulates ``_values(delta, mask)``.
     """
 
     def update(
-        self, train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+        self,
+        train_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        log_ratio: torch.Tensor | None = None,
     ) -> None:
-        delta = checked_log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T]
+        """``log_ratio``: optional precomputed ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)``."""
+        delta = checked_log_ratio(train_logprobs, rollout_logprobs, mask, log_ratio)  # [B, T]
         values, valid = self._values(delta, mask)
         self._accumulate(values, valid)
 

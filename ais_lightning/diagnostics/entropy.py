@@ -13,7 +13,7 @@ class TokenEntropy(MaskedMeanMetric):
 
     ``update(entropy, mask)``: ``entropy`` is ``[B, T]`` float (e.g. ``ais_lightning.ops.
     entropy_from_logits``), ``mask`` ``[B, T]`` bool. Low entropy = a concentrated policy, where the
-    same mismatch hurts more (AIS divergence severity, design.md section 4).
+    same mismatch hurts more (AIS divergence severity, docs/design.md section 4).
     """
 
     def update(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:

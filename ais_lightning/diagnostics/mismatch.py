@@ -108,7 +108,7 @@ class RatioStatistic(LogRatioMeanMetric):
 
     ``stat``: ``mean`` (1.0 when empty), ``min`` / ``max`` (extremes, 1.0 when empty),
     ``frac_above`` = fraction of tokens with w > c, ``frac_below`` = fraction with w < 1/c (0.0 when
-    empty). ``c`` >= 1 is the clip bound C of TIS/AIS (design.md section 4).
+    empty). ``c`` >= 1 is the clip bound C of TIS/AIS (docs/design.md section 4).
     """
 
     def __init__(self, stat: str = "mean", c: float = 2.0, **kwargs: Any) -> None:
@@ -162,9 +162,14 @@ class EffectiveSampleSize(Metric):
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
     def update(
-        self, train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+        self,
+        train_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        log_ratio: torch.Tensor | None = None,
     ) -> None:
-        w = torch.exp(checked_log_ratio(train_logprobs, rollout_logprobs, mask))  # [B, T]
+        """``log_ratio``: optional precomputed ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)``."""
+        w = torch.exp(checked_log_ratio(train_logprobs, rollout_logprobs, mask, log_ratio))  # [B, T]
         self.sum_w += masked_sum(w, mask)
         self.sum_w2 += masked_sum(w * w, mask)
         self.count += mask.sum()

@@ -21,10 +21,14 @@ decoupled PPO:
   trainer before the update; the PPO ratio pi_theta / pi_old is clipped (the trust region), and the
   off-policy correction pi_old / mu comes from a corrector (TIS/MIS/AIS) as ``weights``, multiplied
   into the per-token loss *after* clipping (the IS weight is not part of the trust region).
-* ``mode="bypass"`` (two policies): no trainer recompute; the caller passes mu (rollout log-probs) as
-  ``old_logprobs``, so the clipped ratio pi_theta / mu is itself the importance ratio and there is no
-  separate IS weight: passing ``weights`` raises ValueError. A corrector may still reject tokens via
+* ``mode="bypass"`` (two policies): the old policy is mu itself (``rollout_logprobs`` when given, else
+  the caller passes mu as ``old_logprobs``), so the clipped ratio pi_theta / mu is itself the importance
+  ratio and there is no separate IS weight: ``weights`` must be None or 1 on every valid token (what
+  ``NoCorrection`` returns), anything else raises ValueError. A corrector may still reject tokens via
   ``mask``.
+
+Every policy loss of this package shares one call signature (``ais_lightning.losses.PolicyLoss``), so
+a training loop passes the same inputs whichever loss it holds.
 
 ``mask`` defines which tokens enter the loss *and* its denominator: pass
 ``response_mask & corrector_output.mask`` so tokens rejected by MIS leave the mean (slime #657).
@@ -112,12 +116,26 @@ def check_policy_loss_inputs(
     return advantages
 
 
+def check_identity_weights(weights: torch.Tensor, mask: torch.Tensor, loss_name: str) -> None:
+    """Raise ValueError unless ``weights`` is 1 on every valid token (``NoCorrection``'s output).
+
+    For losses that correct the rollout mismatch themselves: real IS weights would be silently
+    dropped or counted twice, so they are refused with the way out named.
+    """
+    if not bool(torch.where(mask, weights == 1, True).all()):
+        raise ValueError(
+            f"weights: {loss_name} corrects the rollout mismatch itself and takes no importance weights; "
+            "use corrector=none (NoCorrection) with it"
+        )
+
+
 class GRPOLoss(nn.Module):
     """PPO-clip policy-gradient loss for GRPO with IS weights, k3 KL and entropy bonus.
 
     Args:
         epsilon_low: lower clip, ratio >= 1 - epsilon_low; in [0, 1].
-        epsilon_high: upper clip, ratio <= 1 + epsilon_high; >= 0 (DAPO's clip-higher uses e.g. 0.28).
+        epsilon_high: upper clip, ratio <= 1 + epsilon_high; >= 0. Default 0.28, DAPO's clip-higher
+            (arXiv 2503.14476): a wider upper range keeps low-probability tokens explorable.
         dual_clip: dual-clip constant c > 1 for negative advantages, or None to disable.
         kl_coef: weight of the k3 KL(pi_theta || ref) penalty; >= 0 (needs ``ref_logprobs`` when > 0).
         entropy_coef: weight of the entropy bonus (subtracted); >= 0 (needs ``entropy`` when > 0).
@@ -135,7 +153,7 @@ class GRPOLoss(nn.Module):
     def __init__(
         self,
         epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
+        epsilon_high: float = 0.28,
         dual_clip: float | None = None,
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
@@ -182,6 +200,23 @@ class GRPOLoss(nn.Module):
             f"max_response_length={self.max_response_length}, mode={self.mode!r}"
         )
 
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether ``forward`` needs ``entropy`` (an entropy bonus is on)."""
+        return self.entropy_coef > 0
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether ``forward`` needs ``ref_logprobs`` (a KL penalty is on: keep a frozen reference)."""
+        return self.kl_coef > 0
+
+    @property
+    def own_correction(self) -> str | None:
+        """How the loss handles the rollout mismatch itself (then it takes no IS weights), or None."""
+        if self.mode == "bypass":
+            return "loss.mode=bypass uses pi_old := mu (the clipped ratio pi_theta/mu is the importance ratio)"
+        return None
+
     def _aggregate(self, x: torch.Tensor, mask: torch.Tensor, denominator) -> torch.Tensor:
         return aggregate(x, mask, self.aggregation, self.max_response_length, denominator)
 
@@ -195,29 +230,35 @@ class GRPOLoss(nn.Module):
         ref_logprobs: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         denominator: float | torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
     ) -> LossOutput:
         """Loss and stats for one (micro-)batch.
 
         Args:
             logprobs: ``[B, T]`` log pi_theta of the sampled tokens, with grad.
-            old_logprobs: ``[B, T]`` log pi_old (decoupled) or log mu (bypass); detached here.
+            old_logprobs: ``[B, T]`` log pi_old from the trainer (in bypass mode without
+                ``rollout_logprobs``: log mu); detached here.
             advantages: ``[B]`` (one per sequence) or ``[B, T]``; detached here.
             mask: ``[B, T]`` bool, tokens in the loss and its denominator.
-            weights: ``[B, T]`` non-negative IS weights from a corrector (decoupled mode only); detached.
+            weights: ``[B, T]`` non-negative IS weights from a corrector; detached. In bypass mode only
+                None or identity weights (1 on every valid token) are accepted.
             ref_logprobs: ``[B, T]`` reference-policy log-probs for the KL penalty.
             entropy: ``[B, T]`` token entropies of pi_theta for the bonus (keeps its grad).
             denominator: positive count replacing the aggregation's token/sequence count.
+            rollout_logprobs: ``[B, T]`` log mu from the rollout engine; the old policy in bypass mode,
+                unused in decoupled mode (the corrector's ``weights`` carry pi_old/mu there).
         """
         advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
         if weights is not None:
-            if self.mode == "bypass":
-                raise ValueError(
-                    "weights must be None in mode='bypass': the clipped ratio pi_theta/mu already is the "
-                    "importance ratio; use mode='decoupled' to pass corrector weights"
-                )
             check_token_tensor(weights, "weights", mask)
-            if bool((weights[mask] < 0).any()):
+            if self.mode == "bypass":
+                check_identity_weights(weights, mask, "GRPOLoss(mode='bypass')")
+                weights = None
+            elif bool((weights[mask] < 0).any()):
                 raise ValueError("weights has negative values on valid tokens; IS weights must be >= 0")
+        if self.mode == "bypass" and rollout_logprobs is not None:
+            check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
+            old_logprobs = rollout_logprobs
         if ref_logprobs is not None:
             check_token_tensor(ref_logprobs, "ref_logprobs", mask)
         elif self.kl_coef > 0:

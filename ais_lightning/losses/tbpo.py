@@ -16,7 +16,7 @@ with valid tokens t (``mask``), n_i of them:
 
 * r_i is GSPO's sequence ratio (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv
   2507.18071): the length-normalised ratio keeps the clip range meaningful for long responses, where a
-  product of token ratios would explode (design.md section 7).
+  product of token ratios would explode (docs/design.md section 7).
 * Dual clip (Ye et al. 2020, arXiv 1912.09729; verl's ``clip_ratio_c``): for A_i < 0 the loss
   |A_i| * max(r_i, clip(r_i)) is capped at dual_clip * |A_i|, so one negative sample whose ratio has
   exploded cannot dominate the update.
@@ -41,7 +41,12 @@ import math
 import torch
 from torch import nn
 
-from ais_lightning.losses.grpo import LossOutput, aggregate, check_policy_loss_inputs
+from ais_lightning.losses.grpo import (
+    LossOutput,
+    aggregate,
+    check_identity_weights,
+    check_policy_loss_inputs,
+)
 from ais_lightning.ops import check_token_tensor, log_ratio, masked_mean, sequence_log_ratio
 
 
@@ -68,10 +73,10 @@ class TBPOLoss(nn.Module):
             verl's ``clip_ratio_c`` default.
         band_low: lower edge of the trust band on m_i; in [0, 1]. 0 disables the lower edge.
         band_high: upper edge of the trust band on m_i; >= 1, ``math.inf`` disables it. The defaults
-            (0.5, 2.0) are the MIS rejection bounds of this library (design.md section 3), so TBPO and
+            (0.5, 2.0) are the MIS rejection bounds of this library (docs/design.md section 3), so TBPO and
             MIS reject on the same scale. They only catch pathological samples: a mean per-token
             |log(pi_old / mu)| of ln 2 = 0.69, whereas the measured token mismatch KL of FP8/FP4/int8
-            rollouts here is 6e-4 .. 2e-2 (design.md section 5), i.e. m_i within a few percent of 1;
+            rollouts here is 6e-4 .. 2e-2 (docs/design.md section 5), i.e. m_i within a few percent of 1;
             garbled "error token" responses, where the trainer disagrees with the rollout on many
             tokens at once, are what leaves the band.
         weight_by_mismatch: multiply each kept sequence's loss by its detached m_i (True), or keep the
@@ -123,27 +128,49 @@ class TBPOLoss(nn.Module):
             f"band_low={self.band_low}, band_high={self.band_high}, weight_by_mismatch={self.weight_by_mismatch}"
         )
 
+    needs_entropy = False
+    """TBPO has no entropy bonus."""
+    needs_reference = False
+    """TBPO has no KL penalty."""
+
+    @property
+    def own_correction(self) -> str | None:
+        """TBPO corrects the rollout mismatch itself (so the run's corrector must be ``none``)."""
+        return "loss=tbpo (TBPOLoss) drops sequences outside its trust band and weights the rest by pi_old/mu"
+
     def forward(
         self,
         logprobs: torch.Tensor,
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
         mask: torch.Tensor,
-        rollout_logprobs: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
         denominator: float | torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
     ) -> LossOutput:
-        """Loss and stats for one (micro-)batch.
+        """Loss and stats for one (micro-)batch (the call signature of every policy loss here).
 
         Args:
             logprobs: ``[B, T]`` log pi_theta of the sampled tokens, with grad.
             old_logprobs: ``[B, T]`` log pi_old from the trainer before the update; detached here.
             advantages: ``[B]`` (one per sequence) or ``[B, T]``; detached here.
             mask: ``[B, T]`` bool, valid response tokens.
+            weights: None or identity weights (1 on every valid token, ``NoCorrection``'s output): TBPO
+                corrects the mismatch itself (trust band, m_i weights), so real IS weights are refused.
+            ref_logprobs, entropy: must be None (TBPO has no KL penalty and no entropy bonus).
             rollout_logprobs: ``[B, T]`` log mu from the rollout engine, or None (m_i = 1, nothing dropped).
             denominator: positive count replacing the number of kept sequences (micro-batches of one
                 mini-batch, each divided by the mini-batch's kept count, then sum to its loss).
         """
         advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
+        if weights is not None:
+            check_token_tensor(weights, "weights", mask)
+            check_identity_weights(weights, mask, "TBPOLoss")
+        for name, value in (("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+            if value is not None:
+                raise ValueError(f"{name} must be None: TBPOLoss has no KL penalty and no entropy bonus")
         if rollout_logprobs is not None:
             check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
         if denominator is not None and not bool(torch.as_tensor(denominator) > 0):

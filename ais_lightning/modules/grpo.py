@@ -5,12 +5,15 @@ The module only orchestrates; the math lives in reusable pieces:
     prompts --engine.generate--> RolloutBatch (mu log-probs, low precision)
             --task.reward-->      rewards --group_advantages--> A
             --policy (no grad)--> pi_old log-probs and entropy
+            --ops.log_ratio-->    delta, once, for the corrector and every metric
             --corrector-->        IS weights, kept-token mask   (ais_lightning.correctors)
-            --GRPOLoss over mini-batches--> optimizer steps     (ais_lightning.losses)
+            --loss over mini-batches--> optimizer steps         (ais_lightning.losses)
             --policy.full_state_dict--> engine.sync_weights
 
 Manual optimization: one ``training_step`` is one rollout step and takes ``ppo_epochs *
-mini_batches`` optimizer steps, so Lightning's ``global_step`` counts optimizer steps.
+mini_batches`` optimizer steps, so Lightning's ``global_step`` counts optimizer steps. A step whose
+numbers are not finite changes no weight but still counts (an empty optimizer step), so a run always
+ends; ``max_bad_steps`` consecutive bad steps abort it with an error.
 """
 
 from __future__ import annotations
@@ -27,124 +30,165 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
+from ais_lightning import ops
 from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, TokenEntropy
-from ais_lightning.losses import GRPOLoss, TBPOLoss, group_advantages
+from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
 from ais_lightning.policy import Policy
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
 from ais_lightning.tasks import Task, safe_rewards
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
-"""Builds an engine from an unsharded copy of the policy's Hugging Face model."""
+"""Builds an engine from an unsharded copy of the policy's model."""
+
+
+def _positive_int(value: Any, name: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO's loop: sampling, advantages, the update schedule, the optimizer and validation.
+
+    The ``algorithm`` group of ``ais-train``; each default lives here only. The policy loss (clip range,
+    KL, entropy bonus, aggregation, decoupled/bypass) is its own component (``ais_lightning.losses``).
+    """
+
+    prompts_per_step: int = 16
+    """Prompts per rollout step (per rank)."""
+    group_size: int = 8
+    """Responses per prompt (the GRPO group); >= 2, since advantages are relative to the group."""
+    max_new_tokens: int = 8
+    """Response length bound."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0; the trainer's log-probs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; keep 1.0 with a corrector on (it renormalizes mu)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off); keep 0 with a corrector on."""
+    advantage_scale: str = "group"
+    """group | batch | none (Dr. GRPO): what the group-centred rewards are divided by."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (the rollout batch is split into this many mini-batches)."""
+    lr: float = 3e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    grad_clip: float = 1.0
+    """Max gradient norm (0 = off)."""
+    val_every_n_steps: int = 50
+    """Validation period in rollout steps."""
+    val_size: int = 256
+    """Held-out prompts for greedy validation accuracy."""
+    max_bad_steps: int = 5
+    """Abort after this many consecutive rollout steps with non-finite log-probs, losses or gradients."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "val_every_n_steps"):
+            _positive_int(getattr(self, name), name)
+        _positive_int(self.val_size, "val_size")
+        _positive_int(self.max_bad_steps, "max_bad_steps")
+        _positive_int(self.group_size, "group_size", minimum=2)
+        _positive_int(self.top_k, "top_k", minimum=0)
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"temperature must be a finite number > 0 for RL (log-probs at T=0 are undefined), "
+                f"got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.advantage_scale not in ADVANTAGE_SCALES:
+            raise ValueError(
+                f"advantage_scale must be one of {list(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}"
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}")
+        rows = self.prompts_per_step * self.group_size
+        if rows % self.mini_batches:
+            raise ValueError(
+                f"mini_batches={self.mini_batches} must divide prompts_per_step * group_size = {rows}"
+            )
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps one rollout step takes (Lightning's ``global_step`` counts these)."""
+        return self.ppo_epochs * self.mini_batches
 
 
 @dataclass
 class Experience:
-    """One rollout step, ready for the policy update (rows grouped by prompt).  All ``[B, T]`` unless noted."""
+    """One rollout step, ready for the policy update (rows grouped by prompt). All ``[B, T]`` unless noted."""
 
     rollout: RolloutBatch
     rewards: torch.Tensor  # [B]
     advantages: torch.Tensor  # [B]
-    old_logprobs: torch.Tensor  # pi_old (decoupled) or mu (bypass)
-    weights: torch.Tensor | None  # corrector IS weights (decoupled), None in bypass mode
+    train_logprobs: torch.Tensor  # pi_old, the trainer's log-probs before the update
+    weights: torch.Tensor  # corrector IS weights (0 where not kept)
     loss_mask: torch.Tensor  # response_mask & corrector mask
 
     def rows(self, index: torch.Tensor) -> Experience:
-        """The rows ``index`` of every tensor (for mini-batches)."""
-        r = self.rollout
-        sub = RolloutBatch(
-            prompt_ids=r.prompt_ids[index],
-            prompt_mask=r.prompt_mask[index],
-            response_ids=r.response_ids[index],
-            response_mask=r.response_mask[index],
-            rollout_logprobs=r.rollout_logprobs[index],
-            finish_reason=[r.finish_reason[i] for i in index.tolist()],
-            prompt_index=r.prompt_index[index],
-        )
-        return Experience(
-            rollout=sub,
-            rewards=self.rewards[index],
-            advantages=self.advantages[index],
-            old_logprobs=self.old_logprobs[index],
-            weights=None if self.weights is None else self.weights[index],
-            loss_mask=self.loss_mask[index],
-        )
+        """The rows ``index`` (``[R]`` long) of every tensor, for a mini-batch."""
+        return ops.take_rows(self, index)
 
 
 class GRPOModule(LightningModule):
     """GRPO with a rollout engine and a corrector; every component is passed in built.
 
     Args:
-        policy: the trainer's policy (high precision).
-        tokenizer: Hugging Face tokenizer of the policy.
-        task: prompts' reward function (``ais_lightning.tasks.Task``).
-        corrector: ``NoCorrection`` / ``TIS`` / ``MIS`` / ``AIS`` (an nn.Module; its state is checkpointed).
-        loss: the clipped surrogate (``GRPOLoss``; its ``mode`` decides decoupled vs bypass) or QaRL's
-            ``TBPOLoss`` (sequence-level trust band on pi_old/mu, given the rollout log-probs).
-        engine_factory: builds the rollout engine from an unsharded HF model (called once per rank).
+        policy: the trainer's policy (high precision), with its ``tokenizer``.
+        task: the prompts' reward function (``ais_lightning.tasks.Task``).
+        corrector: ``NoCorrection`` / ``TIS`` / ``MIS`` / ``AIS`` ... (an nn.Module; its state is checkpointed).
+        loss: a policy loss with the ``ais_lightning.losses.PolicyLoss`` call signature (``GRPOLoss``,
+            QaRL's ``TBPOLoss``, ...); it gets pi_old, mu and the corrector's weights and uses what it needs.
+        engine_factory: builds the rollout engine from an unsharded model (called once per rank).
+        settings: GRPO's loop settings (``GRPOSettings``).
         eval_engine_factory: builds a trainer-precision engine for validation (None = skip that half).
-        group_size, max_new_tokens, temperature, top_p, top_k: sampling (vLLM names).
-        advantage_scale: ``group`` | ``batch`` | ``none``.
-        ppo_epochs, mini_batches: passes and optimizer steps per rollout batch.
-        lr, weight_decay, grad_clip: AdamW and gradient-norm clipping (0 = off).
-        kl_coef: k3 penalty to the initial policy (keeps a frozen copy when > 0).
-        logprob_chunk_size: positions per chunk for log-prob/entropy computation.
         seed: base seed; rollout step s on rank r samples with a seed derived from (seed, s, r).
-        fsdp_layers: attribute path of the decoder layers to shard with FSDP2 (``model.layers``).
     """
 
     def __init__(
         self,
         policy: Policy,
-        tokenizer: Any,
         task: Task,
         corrector: nn.Module,
-        loss: GRPOLoss | TBPOLoss,
+        loss: nn.Module,
         engine_factory: EngineFactory,
+        settings: GRPOSettings | None = None,
         eval_engine_factory: EngineFactory | None = None,
-        group_size: int = 8,
-        max_new_tokens: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        advantage_scale: str = "group",
-        ppo_epochs: int = 1,
-        mini_batches: int = 1,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
-        kl_coef: float = 0.0,
-        logprob_chunk_size: int = 1024,
         seed: int = 0,
     ) -> None:
         super().__init__()
+        if getattr(policy, "tokenizer", None) is None:
+            raise ValueError(
+                "policy.tokenizer is None: the GRPO module encodes prompts with the policy's tokenizer"
+            )
         self.automatic_optimization = False
         self.policy = policy
-        self.tokenizer = tokenizer
         self.task = task
         self.corrector = corrector
         self.loss_fn = loss
         self.engine_factory = engine_factory
         self.eval_engine_factory = eval_engine_factory
-        self.group_size = group_size
-        self.sampling = SamplingConfig(
-            n=group_size,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=[tokenizer.eos_token_id],
-        )
-        self.advantage_scale = advantage_scale
-        self.ppo_epochs = ppo_epochs
-        self.mini_batches = mini_batches
-        self.lr = lr
-        self.weight_decay = weight_decay
-        self.grad_clip = grad_clip
-        self.kl_coef = kl_coef
-        self.logprob_chunk_size = logprob_chunk_size
+        self.settings = settings if settings is not None else GRPOSettings()
         self.seed = seed
-        self.bypass = getattr(loss, "mode", "decoupled") == "bypass"
-        self.reference = copy.deepcopy(policy).requires_grad_(False) if kl_coef > 0 else None
+        s = self.settings
+        self.sampling = SamplingConfig(
+            n=s.group_size,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=[policy.tokenizer.eos_token_id],
+        )
+        self.reference = (
+            copy.deepcopy(policy).requires_grad_(False) if getattr(loss, "needs_reference", False) else None
+        )
         self.mismatch = MismatchDiagnostics(prefix="mismatch/")
         self.entropy_metric = TokenEntropy()
         # QaRL's failure mode of quantized rollouts: degenerate, repetitive or garbled "error tokens".
@@ -156,10 +200,22 @@ class GRPOModule(LightningModule):
         )
         self.engine: RolloutEngine | None = None
         self.eval_engine: RolloutEngine | None = None
+        self.bad_steps = 0
+        """Consecutive rollout steps whose numbers were not finite (reset by a good step)."""
         self.history: list[dict[str, float]] = []
         """Per-rollout-step summary (reward, mismatch, lambda...), kept in checkpoints."""
+        self.validation_start: dict[str, float] = {}
+        """Validation metrics before the first update (set by the caller), kept in checkpoints."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
 
     # ------------------------------------------------------------------ setup
+    def setup(self, stage: str) -> None:
+        """QaRL's aligned forward, if the policy asks for it (after any warm start, before sharding)."""
+        self.policy.apply_aligned_quantization()
+
     def configure_model(self) -> None:
         """FSDP2: shard every decoder layer, then the root (Lightning ModelParallelStrategy)."""
         mesh = getattr(self, "device_mesh", None)
@@ -177,7 +233,7 @@ class GRPOModule(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
 
     def on_train_start(self) -> None:
         """Build the engines once the weights (possibly restored from a checkpoint) are in place."""
@@ -187,7 +243,7 @@ class GRPOModule(LightningModule):
             self.eval_engine = self._build_engine(self.eval_engine_factory, state)
 
     def _build_engine(self, factory: EngineFactory, state: list[tuple[str, torch.Tensor]]) -> RolloutEngine:
-        fresh = self.policy.fresh_model()  # unsharded HF model of the same config, CPU
+        fresh = self.policy.fresh_model()  # unsharded model of the same config, CPU
         engine = factory(fresh)
         engine.sync_weights(state)
         return engine
@@ -196,7 +252,7 @@ class GRPOModule(LightningModule):
     @property
     def rollout_step(self) -> int:
         """Rollout steps done so far (Lightning's global_step counts optimizer steps)."""
-        return self.global_step // (self.ppo_epochs * self.mini_batches)
+        return self.global_step // self.settings.optimizer_steps_per_rollout
 
     def _sampling_seed(self, stage: int = 0) -> int:
         return (self.seed * 1_000_003 + self.rollout_step * 10_007 + self.global_rank * 101 + stage) % (2**31)
@@ -221,20 +277,6 @@ class GRPOModule(LightningModule):
         rewards, n_failed = safe_rewards(self.task.reward, row_prompts, completions, row_fields)
         return torch.as_tensor(rewards, dtype=torch.float32), int(n_failed)
 
-    def _trainer_logprobs(
-        self, batch: RolloutBatch, policy: nn.Module, compute_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = policy.response_logprobs(
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.response_ids,
-            batch.response_mask,
-            temperature=self.sampling.temperature,
-            compute_entropy=compute_entropy,
-            chunk_size=self.logprob_chunk_size,
-        )
-        return out.logprobs, out.entropy
-
     def collect_experience(
         self, prompts: list[str], fields: dict[str, list]
     ) -> tuple[Experience | None, dict[str, float]]:
@@ -250,11 +292,12 @@ class GRPOModule(LightningModule):
         rollout_time = time.perf_counter() - t0
 
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
-        advantages = group_advantages(rewards, self.group_size, scale=self.advantage_scale)  # [B]
+        advantages = group_advantages(rewards, self.settings.group_size, scale=self.settings.advantage_scale)
         mask = batch.response_mask  # [B, T]
         with torch.no_grad():
             t1 = time.perf_counter()
-            train_lp, entropy = self._trainer_logprobs(batch, self.policy, compute_entropy=True)  # [B, T]
+            pi_old = self.policy.batch_logprobs(batch, self.sampling.temperature, compute_entropy=True)
+            train_lp, entropy = pi_old.logprobs, pi_old.entropy  # [B, T] each
             logprob_time = time.perf_counter() - t1
 
         stats = {
@@ -274,49 +317,53 @@ class GRPOModule(LightningModule):
         if not finite:
             return None, stats
 
-        # The same advantages and entropy as the corrector: mismatch/ais_lambda is the lambda AIS
-        # would use (each metric takes only the arguments its update() accepts).
-        self.mismatch.update(train_lp, batch.rollout_logprobs, mask, advantages=advantages, entropy=entropy)
+        # delta = log pi_old - log mu, once: the corrector and every mismatch metric read it.
+        delta = ops.log_ratio(train_lp, batch.rollout_logprobs, mask)  # [B, T]
+        self.mismatch.update(
+            train_lp, batch.rollout_logprobs, mask, advantages=advantages, entropy=entropy, log_ratio=delta
+        )
         self.entropy_metric.update(entropy, mask)
         self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
         self.error_metrics["low_logprob_frac"].update(train_lp, mask)
-        correction = self.corrector(
-            train_lp, batch.rollout_logprobs, mask, advantages=advantages, entropy=entropy
-        )
-        stats.update({k: float(v) for k, v in correction.stats.items()})
-        if self.bypass:
-            old_lp, weights, loss_mask = batch.rollout_logprobs, None, mask
-        else:
-            old_lp, weights, loss_mask = train_lp, correction.weights, correction.mask & mask
-        return Experience(batch, rewards, advantages, old_lp, weights, loss_mask), stats
+        correction = self.corrector.from_log_ratio(delta, mask, advantages=advantages, entropy=entropy)
+        stats.update(correction.stats)
+        exp = Experience(batch, rewards, advantages, train_lp, correction.weights, correction.mask & mask)
+        return exp, stats
 
     # ----------------------------------------------------------------- update
     def _all_ranks_finite(self, value: torch.Tensor) -> bool:
         finite = bool(torch.isfinite(value).all())
         return bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
 
+    def _empty_step(self, opt: Any) -> None:
+        """An optimizer step that changes nothing (no parameter has a gradient) but counts toward
+        ``max_steps``, so that a run with bad steps still ends."""
+        opt.zero_grad(set_to_none=True)
+        opt.step()
+
     def update_policy(self, exp: Experience) -> dict[str, float]:
         """``ppo_epochs`` passes of ``mini_batches`` optimizer steps over one rollout batch."""
         opt = self.optimizers()
+        s = self.settings
         n_rows = exp.rewards.shape[0]
-        rows_per_mb = n_rows // self.mini_batches
+        rows_per_mb = n_rows // s.mini_batches
         gen = torch.Generator().manual_seed(self._sampling_seed(stage=1))
         sums: dict[str, float] = {}
         n_updates = skipped = 0
-        for _ in range(self.ppo_epochs):
-            order = torch.randperm(n_rows, generator=gen) if self.mini_batches > 1 else torch.arange(n_rows)
-            for mb in range(self.mini_batches):
-                part = exp.rows(order[mb * rows_per_mb : (mb + 1) * rows_per_mb])
-                out = self._loss(part)
+        for _ in range(s.ppo_epochs):
+            order = torch.randperm(n_rows, generator=gen) if s.mini_batches > 1 else torch.arange(n_rows)
+            for mb in range(s.mini_batches):
+                out = self._loss(exp.rows(order[mb * rows_per_mb : (mb + 1) * rows_per_mb]))
                 if not self._all_ranks_finite(out.loss.detach()):
                     skipped += 1
+                    self._empty_step(opt)
                     continue
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(out.loss)
                 grad_norm = self._grad_norm()
                 if not self._all_ranks_finite(grad_norm):
-                    opt.zero_grad(set_to_none=True)
                     skipped += 1
+                    self._empty_step(opt)
                     continue
                 opt.step()
                 n_updates += 1
@@ -328,36 +375,40 @@ class GRPOModule(LightningModule):
         return stats
 
     def _loss(self, part: Experience) -> Any:
-        """The loss of one mini-batch (GRPO's surrogate, or TBPO with the rollout log-probs)."""
-        compute_entropy = getattr(self.loss_fn, "entropy_coef", 0.0) != 0
-        logprobs, entropy = self._trainer_logprobs(part.rollout, self.policy, compute_entropy)
-        if isinstance(self.loss_fn, TBPOLoss):
-            return self.loss_fn(
-                logprobs,
-                part.old_logprobs,
-                part.advantages,
-                part.loss_mask,
-                rollout_logprobs=part.rollout.rollout_logprobs,
-            )
+        """The loss of one mini-batch: every loss gets the same inputs and uses what it needs."""
+        compute_entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
+        current = self.policy.batch_logprobs(part.rollout, self.sampling.temperature, compute_entropy)
         ref_lp = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_lp, _ = self._trainer_logprobs(part.rollout, self.reference, False)
+                ref_lp = self.reference.batch_logprobs(part.rollout, self.sampling.temperature).logprobs
         return self.loss_fn(
-            logprobs,
-            part.old_logprobs,
+            current.logprobs,
+            part.train_logprobs,
             part.advantages,
             part.loss_mask,
             weights=part.weights,
             ref_logprobs=ref_lp,
-            entropy=entropy,
+            entropy=current.entropy if compute_entropy else None,
+            rollout_logprobs=part.rollout.rollout_logprobs,
         )
 
     def _grad_norm(self) -> torch.Tensor:
         params = [p for p in self.policy.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _count_bad_step(self, bad: bool, reason: str) -> None:
+        """Consecutive bad steps; ``settings.max_bad_steps`` of them abort the run with the cause named."""
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if self.bad_steps >= self.settings.max_bad_steps:
+            raise RuntimeError(
+                f"{self.bad_steps} consecutive rollout steps had {reason} (last at rollout step "
+                f"{self.rollout_step}); they changed no weight or carried no signal. Check the task's reward "
+                "function (its errors are logged), the sampling temperature, the rollout precision and the "
+                "learning rate (algorithm.max_bad_steps sets this limit)."
+            )
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -365,12 +416,17 @@ class GRPOModule(LightningModule):
         fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
         exp, stats = self.collect_experience(prompts, fields)
         if exp is None:  # non-finite log-probs: nothing reaches the weights, the engine keeps its copy
-            stats["train/skipped_updates"] = float(self.ppo_epochs * self.mini_batches)
+            n = self.settings.optimizer_steps_per_rollout
+            for _ in range(n):
+                self._empty_step(self.optimizers())
+            stats["train/skipped_updates"] = float(n)
             self.log_dict(stats, on_step=True, on_epoch=False, batch_size=len(prompts))
+            self._count_bad_step(True, "non-finite log-probs on valid tokens")
             return
         t0 = time.perf_counter()
         stats.update(self.update_policy(exp))
         stats["time/update_s"] = time.perf_counter() - t0
+        all_skipped = stats["train/skipped_updates"] == self.settings.optimizer_steps_per_rollout
         t1 = time.perf_counter()
         assert self.engine is not None
         self.engine.sync_weights(self.policy.full_state_dict())
@@ -399,11 +455,19 @@ class GRPOModule(LightningModule):
             {
                 "step": float(self.rollout_step),
                 "reward": stats["reward/mean"],
+                "reward_failed": stats["reward/failed"],
                 "kl_k3": mismatch.get("mismatch/kl_k3", float("nan")),
                 "entropy": entropy,
                 "lambda": stats.get("ais/lambda", float("nan")),
             }
         )
+        rewards_failed = stats["reward/failed"] >= exp.rewards.numel()
+        reason = (
+            "a reward function that failed on every sample"
+            if rewards_failed
+            else ("non-finite losses or gradients in every mini-batch")
+        )
+        self._count_bad_step(all_skipped or rewards_failed, reason)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy accuracy with the engine's precision and with the trainer's precision."""
@@ -438,6 +502,10 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["ais_history"] = list(self.history)
+        checkpoint["ais_validation_start"] = dict(self.validation_start)
+        checkpoint["ais_bad_steps"] = self.bad_steps
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.history = list(checkpoint.get("ais_history", []))
+        self.validation_start = dict(checkpoint.get("ais_validation_start", {}))
+        self.bad_steps = int(checkpoint.get("ais_bad_steps", 0))

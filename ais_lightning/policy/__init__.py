@@ -1,5 +1,7 @@
 """Policy: a Hugging Face causal LM wrapper (response log-probs, entropy, full weights for sync)."""
 
+from ais_lightning.policy.builders import POLICIES, Pretrained, TinyQwen3
+from ais_lightning.policy.diffusion import DiffusionPolicy, TinyLLaDA, tiny_diffusion_policy
 from ais_lightning.policy.policy import (
     Policy,
     ResponseLogprobs,
@@ -8,4 +10,16 @@ from ais_lightning.policy.policy import (
     load_named_tensors,
 )
 
-__all__ = ["Policy", "ResponseLogprobs", "build_sequences", "chunked_response_logprobs", "load_named_tensors"]
+__all__ = [
+    "POLICIES",
+    "DiffusionPolicy",
+    "Policy",
+    "Pretrained",
+    "ResponseLogprobs",
+    "TinyLLaDA",
+    "TinyQwen3",
+    "build_sequences",
+    "chunked_response_logprobs",
+    "load_named_tensors",
+    "tiny_diffusion_policy",
+]

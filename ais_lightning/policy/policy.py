@@ -16,12 +16,16 @@ import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ais_lightning.ops import entropy_from_logits, logprobs_from_logits
+from ais_lightning.ops import entropy_from_logits, logprobs_from_logits, masked_mean
+
+if TYPE_CHECKING:
+    from ais_lightning.rollout.base import RolloutBatch
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 """Name fragments that activation-checkpoint / FSDP1 / torch.compile wrappers add to buffer names."""
@@ -40,6 +44,17 @@ class ResponseLogprobs:
     entropy: torch.Tensor | None
     """``[B, T]`` float32 entropy (nats) of the temperature-processed next-token distribution; 0 where masked.
     None unless ``compute_entropy=True``."""
+
+
+def check_aligned_quantization(recipe: str) -> None:
+    """Raise ValueError unless ``recipe`` names an ``ais_lightning.quant`` quantization recipe."""
+    from ais_lightning.quant.recipes import RECIPES
+
+    if recipe not in RECIPES:
+        raise ValueError(
+            f"aligned_quantization={recipe!r} is not a quantization recipe (QaRL's aligned forward needs a "
+            f"quantized rollout precision); known recipes: {sorted(RECIPES)}"
+        )
 
 
 def _check_ids_and_mask(ids: torch.Tensor, mask: torch.Tensor, name: str) -> None:
@@ -202,13 +217,49 @@ class Policy(nn.Module):
     (``register_fsdp_forward_method``), so embeddings, final norm and lm_head are gathered for it.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        logprob_chunk_size: int = 1024,
+        aligned_quantization: str | None = None,
+    ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise ValueError(
                 f"model must be a Hugging Face causal LM with an output embedding, got {type(model)}"
             )
+        if (
+            isinstance(logprob_chunk_size, bool)
+            or not isinstance(logprob_chunk_size, int)
+            or logprob_chunk_size < 1
+        ):
+            raise ValueError(f"logprob_chunk_size must be an int >= 1, got {logprob_chunk_size!r}")
         self.model = model
+        self.tokenizer = tokenizer
+        """The Hugging Face tokenizer of the model (None if the caller encodes prompts itself)."""
+        self.logprob_chunk_size = logprob_chunk_size
+        """Response positions per chunk in :meth:`batch_logprobs`: bounds the ``[chunk, V]`` logits memory."""
+        if aligned_quantization is not None:
+            check_aligned_quantization(aligned_quantization)
+        self.aligned_quantization = aligned_quantization
+        """QaRL's rollout-aligned forward: the ``ais_lightning.quant`` recipe the trainer's linears run through
+        once :meth:`apply_aligned_quantization` is called (None = plain high-precision forward)."""
+
+    def apply_aligned_quantization(self) -> bool:
+        """QaRL (arXiv 2604.07853): run the trainer's linears through the rollout's quantization recipe.
+
+        Emulated quantization with straight-through gradients to the fp32 master weights; parameter and
+        state-dict names are unchanged, so weight sync and checkpoints work as before. Call it after any
+        warm start (which trains the plain forward); idempotent. Returns whether the forward is aligned.
+        """
+        if self.aligned_quantization is None:
+            return False
+        from ais_lightning.quant import QuantLinear, get_recipe, quantize_model
+
+        if not any(isinstance(m, QuantLinear) for m in self.model.modules()):
+            quantize_model(self.model, get_recipe(self.aligned_quantization), backend="emulate")
+        return True
 
     @classmethod
     def from_pretrained(
@@ -216,11 +267,14 @@ class Policy(nn.Module):
         path: str | os.PathLike[str],
         dtype: torch.dtype = torch.float32,
         attn_implementation: str | None = None,
+        tokenizer: Any = None,
+        logprob_chunk_size: int = 1024,
+        aligned_quantization: str | None = None,
         **model_kwargs,
     ) -> Policy:
         """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
-        ``"eager"``."""
+        ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``: as in the constructor."""
         from transformers import AutoModelForCausalLM
 
         path = os.fspath(path)
@@ -229,7 +283,12 @@ class Policy(nn.Module):
         if attn_implementation is not None:
             model_kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
-        return cls(model)
+        return cls(
+            model,
+            tokenizer=tokenizer,
+            logprob_chunk_size=logprob_chunk_size,
+            aligned_quantization=aligned_quantization,
+        )
 
     @property
     def config(self):
@@ -323,6 +382,35 @@ class Policy(nn.Module):
             prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size
         )
         return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+
+    def batch_logprobs(
+        self, batch: RolloutBatch, temperature: float = 1.0, compute_entropy: bool = False
+    ) -> ResponseLogprobs:
+        """Log-probs (and entropies) of a rollout batch's response tokens under this policy: pi for the
+        importance ratio against the engine's mu. Every model family implements this one method; an
+        autoregressive LM scores each token given the prompt and the tokens before it."""
+        return self.response_logprobs(
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            chunk_size=self.logprob_chunk_size,
+        )
+
+    def sft_loss(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Supervised warm-start loss on reference responses: the mean token negative log-likelihood."""
+        out = self.response_logprobs(
+            prompt_ids, prompt_mask, response_ids, response_mask, chunk_size=self.logprob_chunk_size
+        )
+        return -masked_mean(out.logprobs, response_mask)
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = False) -> list[tuple[str, torch.Tensor]]:

@@ -1,35 +1,72 @@
 """Number formats, scaling recipes, quantized linears and KV-cache quantization.
 
-See :mod:`.formats` (FP8/FP4/INT8 rounding), :mod:`.scaling` (tensor/channel/token/block/group/MX/NVFP4
-scales), :mod:`.recipes` (named recipes), :mod:`.linear` (QuantLinear, quantize_model) and :mod:`.kv`.
+See :mod:`.formats` (FP8/FP4/INT8 and nested-integer rounding), :mod:`.scaling`
+(tensor/channel/token/block/group/MX/NVFP4/E4M3-group scales), :mod:`.recipes` (named recipes),
+:mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.kv`, and the Bit-by-Bit pieces
+(arXiv 2604.07888): :mod:`.nested` (int8 -> int4 -> int2 views of one quantized weight), :mod:`.ocs`
+(rounding-aware outlier channel splitting), :mod:`.schedule` (progressive precision schedule).
 """
 
 from .formats import FORMATS, NumberFormat, get_format, round_to_float_grid
 from .kv import fake_quantize_kv, kv_amax, kv_scale_from_amax
-from .linear import BACKENDS, DEFAULT_SKIP, QuantLinear, quantize_model, refresh_quantized, scaled_mm_linear
-from .recipes import RECIPES, QuantRecipe, get_recipe
-from .scaling import SCALINGS, QuantizedTensor, dequantize, fake_quantize, quantize
+from .linear import (
+    BACKENDS,
+    DEFAULT_SKIP,
+    QuantLinear,
+    quantize_model,
+    refresh_quantized,
+    scaled_mm_linear,
+    switch_recipe,
+)
+from .nested import NESTED_FORMATS, nested_format, nested_view, nested_views
+from .ocs import OCSSplit, merge_split, ocs_split, rounding_aware_pieces, select_outlier_channels
+from .recipes import NESTED_INT_RECIPES, RECIPES, QuantRecipe, get_recipe, nested_int_recipe
+from .scaling import (
+    SCALINGS,
+    QuantizedTensor,
+    dequantize,
+    e4m3_round_up,
+    fake_quantize,
+    quantize,
+    quantize_with_scales,
+)
+from .schedule import PrecisionSchedule
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_SKIP",
     "FORMATS",
+    "NESTED_FORMATS",
+    "NESTED_INT_RECIPES",
     "RECIPES",
     "SCALINGS",
     "NumberFormat",
+    "OCSSplit",
+    "PrecisionSchedule",
     "QuantLinear",
     "QuantRecipe",
     "QuantizedTensor",
     "dequantize",
+    "e4m3_round_up",
     "fake_quantize",
     "fake_quantize_kv",
     "get_format",
     "get_recipe",
     "kv_amax",
     "kv_scale_from_amax",
+    "merge_split",
+    "nested_format",
+    "nested_int_recipe",
+    "nested_view",
+    "nested_views",
+    "ocs_split",
     "quantize",
     "quantize_model",
+    "quantize_with_scales",
     "refresh_quantized",
     "round_to_float_grid",
+    "rounding_aware_pieces",
     "scaled_mm_linear",
+    "select_outlier_channels",
+    "switch_recipe",
 ]

@@ -14,6 +14,14 @@ Backends:
 - ``"fp8_gemm"`` (CUDA): ``torch._scaled_mm`` with E4M3 data and per-tensor or per-row scales
   (recipes ``fp8_tensor``, ``fp8_channel``). Refuses a non-CUDA weight.
 
+Recipes with ``ocs_ratio > 0`` (emulate only) split the weight's outlier input channels at every
+refresh (:func:`ais_lightning.quant.ocs.ocs_split`, rounding-aware for the recipe's weight grid) and run
+``F.linear(x[..., index], W'_q)``: the split activation columns are duplicated, then quantized with the
+recipe's activation scaling on the ``K + S`` columns, as a kernel would see them.
+:meth:`QuantLinear.set_recipe` / :func:`switch_recipe` change the recipe of existing layers in place
+(the fp32 master ``weight`` is untouched; the caches are re-derived): a progressive precision schedule
+(:mod:`.schedule`) walks a model from int8 to int4 to int2 with them.
+
 The module keeps ``weight``/``bias`` as ordinary parameters (the same objects as the wrapped
 ``nn.Linear``), so ``state_dict`` keys are unchanged and weight sync by ``load_state_dict`` works. The
 quantized weight is a cache: call :meth:`QuantLinear.refresh` (or :func:`refresh_quantized`) after
@@ -31,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ocs import merge_split, ocs_split
 from .recipes import QuantRecipe, get_recipe
 from .scaling import fake_quantize, quantize
 
@@ -138,19 +147,45 @@ class QuantLinear(nn.Linear):
         return layer
 
     def _setup(self, recipe: str | QuantRecipe, backend: str) -> None:
-        self.recipe = get_recipe(recipe)
+        recipe = get_recipe(recipe)
+        self._check_backend(recipe, backend)  # before any state changes, so a refused switch changes nothing
+        self.recipe = recipe
+        self.backend = backend
+        # Caches derived from `weight` (plain attributes, not buffers: they are no model state, so they
+        # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
+        self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K] (OCS: [N, K + S])
+        self.weight_fp8_t: torch.Tensor | None = None  # fp8_gemm: [K, N] col-major
+        self.weight_fp8_scale: torch.Tensor | None = None  # fp8_gemm: [] or [1, N]
+        self.ocs_index: torch.Tensor | None = None  # emulate + OCS: [K + S] input column of each split column
+        self.ocs_channels: torch.Tensor | None = None  # emulate + OCS: [S] split input channels
+        self._packed = None  # int8: fbgemm packed params
+        self._stamp = None
+        self.refresh()
+
+    def set_recipe(self, recipe: str | QuantRecipe, backend: str | None = None) -> None:
+        """Run this layer with another recipe (and backend; None keeps the current one), in place.
+
+        ``weight``/``bias`` (the master parameters) are untouched; the quantized caches are re-derived.
+        An incompatible recipe/backend raises ValueError and leaves the layer as it was.
+        """
+        self._setup(recipe, self.backend if backend is None else backend)
+
+    def _check_backend(self, recipe: QuantRecipe, backend: str) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-        if backend == "int8" and self.recipe.name != "int8":
+        if recipe.ocs_ratio > 0 and backend != "emulate":
             raise ValueError(
-                f"backend 'int8' (fbgemm W8A8) only runs the 'int8' recipe, got {self.recipe.name!r}"
+                f"recipe {recipe.name!r} splits outlier channels (ocs_ratio={recipe.ocs_ratio}), which only "
+                f"backend 'emulate' runs, got backend {backend!r}"
             )
+        if backend == "int8" and recipe.name != "int8":
+            raise ValueError(f"backend 'int8' (fbgemm W8A8) only runs the 'int8' recipe, got {recipe.name!r}")
         if backend == "int8" and self.weight.device.type != "cpu":
             raise ValueError(f"backend 'int8' runs on CPU (fbgemm), weight is on {self.weight.device}")
         if backend == "fp8_gemm":
-            if self.recipe.name not in FP8_GEMM_RECIPES:
+            if recipe.name not in FP8_GEMM_RECIPES:
                 raise ValueError(
-                    f"backend 'fp8_gemm' supports recipes {FP8_GEMM_RECIPES}, got {self.recipe.name!r}"
+                    f"backend 'fp8_gemm' supports recipes {FP8_GEMM_RECIPES}, got {recipe.name!r}"
                 )
             if self.weight.device.type != "cuda":
                 raise RuntimeError(
@@ -161,15 +196,6 @@ class QuantLinear(nn.Linear):
                 raise ValueError(
                     f"backend 'fp8_gemm' needs in/out features divisible by 16, got {self.in_features}x{self.out_features}"
                 )
-        self.backend = backend
-        # Caches derived from `weight` (plain attributes, not buffers: they are no model state, so they
-        # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
-        self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K]
-        self.weight_fp8_t: torch.Tensor | None = None  # fp8_gemm: [K, N] col-major
-        self.weight_fp8_scale: torch.Tensor | None = None  # fp8_gemm: [] or [1, N]
-        self._packed = None  # int8: fbgemm packed params
-        self._stamp = None
-        self.refresh()
 
     def _current_stamp(self) -> tuple:
         """Identity of the current weight/bias contents: storage, version counter, dtype, device."""
@@ -179,10 +205,21 @@ class QuantLinear(nn.Linear):
     def refresh(self) -> None:
         """Re-quantize the cached weight from ``self.weight`` (call after the weight changed)."""
         r = self.recipe
-        if self.backend == "emulate":
+        if self.backend == "emulate" and r.ocs_ratio > 0:
+            split = ocs_split(
+                self.weight,
+                ratio=r.ocs_ratio,
+                fmt=r.weight_fmt,
+                scaling=r.weight_scaling,
+                block=r.weight_block,
+            )
+            self.weight_fq = split.dequantized()  # [N, K + S]
+            self.ocs_index, self.ocs_channels = split.index, split.channels
+        elif self.backend == "emulate":
             self.weight_fq = fake_quantize(
                 self.weight, r.weight_fmt, r.weight_scaling, r.weight_block, name="weight"
             )
+            self.ocs_index = self.ocs_channels = None
         elif self.backend == "int8":
             self._packed = int8_prepack(self.weight, self.bias)
         else:
@@ -206,6 +243,8 @@ class QuantLinear(nn.Linear):
                 x, self.weight_fp8_t, self.weight_fp8_scale, self.bias, r.act_fmt, r.act_scaling
             )
         w = self.weight_fq
+        if self.ocs_index is not None:  # [..., K + S]: the split channels' activation columns duplicated
+            x = x.index_select(-1, self.ocs_index.to(x.device))
         x_q = x
         if r.act_fmt is not None:
             x_q = fake_quantize(x, r.act_fmt, r.act_scaling, r.act_block, check_finite=False, name="input")
@@ -213,11 +252,39 @@ class QuantLinear(nn.Linear):
             if x.requires_grad:
                 x_q = x + (x_q - x).detach()
             if self.weight.requires_grad:
-                w = self.weight + (w - self.weight).detach()
+                master = self.weight if self.ocs_index is None else self._naive_split(self.weight)
+                w = master + (w - master).detach()
         return F.linear(x_q, w, self.bias)
 
+    def _naive_split(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` split in halves on the OCS layout, differentiably (the STE's backward path).  # [N, K + S]
+
+        The rounding-aware split differs from halves by less than a quantization step; as for the
+        rounding itself, the straight-through estimator ignores that difference.
+        """
+        ch = self.ocs_channels.to(weight.device)
+        col_scale = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device).index_fill(
+            0, ch, 0.5
+        )
+        return torch.cat([weight * col_scale, weight.index_select(1, ch) * 0.5], dim=1)
+
+    @torch.no_grad()
+    def effective_weight(self) -> torch.Tensor:
+        """The weight the layer effectively multiplies by, ``[N, K]`` (emulate backend).
+
+        The fake-quantized weight; with OCS, its split columns summed back (``OCSSplit.merge``).
+        """
+        if self.backend != "emulate":
+            raise ValueError(f"effective_weight needs backend 'emulate', this layer runs {self.backend!r}")
+        if self._stamp != self._current_stamp():
+            self.refresh()
+        if self.ocs_index is None:
+            return self.weight_fq
+        return merge_split(self.weight_fq, self.ocs_channels, self.in_features)
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+        ocs = f", ocs_split={self.ocs_channels.numel()}" if self.ocs_channels is not None else ""
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}{ocs}"
 
 
 def quantize_model(
@@ -254,4 +321,35 @@ def refresh_quantized(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
         layer.refresh()
+    return len(layers)
+
+
+def switch_recipe(
+    model: nn.Module,
+    recipe: str | QuantRecipe,
+    backend: str | None = None,
+    names: Iterable[str] | None = None,
+) -> int:
+    """Switch the :class:`QuantLinear` layers of ``model`` to ``recipe`` in place; returns how many.
+
+    The fp32 master weights (``weight``/``bias`` Parameters, the state dict, optimizer state) are
+    untouched; only the quantized caches are re-derived, so a trainer can lower the precision mid-run
+    (:class:`ais_lightning.quant.schedule.PrecisionSchedule`). ``backend``: None keeps each layer's.
+    ``names``: module-name substrings selecting the layers to switch (None = all), e.g. one decoder
+    block at a time. Every layer is checked before any is switched: an incompatible recipe/backend
+    raises ValueError and leaves the model unchanged.
+    """
+    if isinstance(names, str):
+        raise ValueError(f"names must be a list of name substrings, not a single string {names!r}")
+    recipe = get_recipe(recipe)
+    selected = tuple(names) if names is not None else None
+    layers = [
+        m
+        for n, m in model.named_modules()
+        if isinstance(m, QuantLinear) and (selected is None or any(s in n for s in selected))
+    ]
+    for layer in layers:
+        layer._check_backend(recipe, layer.backend if backend is None else backend)
+    for layer in layers:
+        layer.set_recipe(recipe, backend)
     return len(layers)

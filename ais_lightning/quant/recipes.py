@@ -10,6 +10,22 @@
 - ``nvfp4`` = ``fp4``: E2M1 in 16-element blocks, E4M3 block scales times an FP32 per-tensor scale.
 - ``int8``: weights per output channel symmetric, activations per token dynamic symmetric (W8A8,
   as in LLM.int8()/SmoothQuant-style per-token/per-channel schemes, arXiv 2211.10438).
+
+Bit-by-Bit nested integer recipes (Xu et al., ACL 2026, arXiv 2604.07888; :mod:`.nested`, :mod:`.ocs`),
+emulated only (``backend="emulate"``: exact fake quantization in fp32 on any device, CPU here; there is
+no int4/int2 kernel behind them):
+
+| recipe | weight | activation |
+| --- | --- | --- |
+| ``int8_nested`` / ``int8_nested_w`` | ``nint8``, groups of 32 along K, E4M3 block scale x FP32 per-tensor scale | ``nint8`` per token, groups of 32, E4M3 x FP32 per-token scale / none (weight-only) |
+| ``int4`` / ``int4_w`` | ``nint4``, the same groups (the int4 view of ``int8_nested``'s weight, bit for bit) | ``nint4``, the same / none |
+| ``int2`` / ``int2_w`` | ``nint2`` (the int2 view) | ``nint2`` (W2A2) / none (W2A16) |
+| ``<name>_ocs`` (all six) | the same, after a rounding-aware outlier channel split of 5% of the input channels | the same, on the duplicated columns |
+
+``*_w`` are weight-only (activations stay in the model dtype). The OCS ratio 0.05 is our choice
+(Bit-by-Bit's is not available to us; with the rounding-aware split the weight error is flat from 0.01
+to 0.1, see ``docs/quantization.md``): it costs 5% more input channels, which a real kernel pads to a
+whole group.
 """
 
 from __future__ import annotations
@@ -38,6 +54,9 @@ class QuantRecipe:
     """Scaling of the activation ``[..., K]`` (dynamic: computed on every forward)."""
     act_block: tuple[int, int] | None = None
     """Block shape of the activation scaling."""
+    ocs_ratio: float = 0.0
+    """Fraction of the input channels split by rounding-aware outlier channel splitting at weight-sync
+    time (:func:`ais_lightning.quant.ocs.ocs_split`); 0 = off. Needs an integer ``weight_fmt``."""
 
     def __post_init__(self) -> None:
         for field, fmt in (("weight_fmt", self.weight_fmt), ("act_fmt", self.act_fmt)):
@@ -54,6 +73,15 @@ class QuantRecipe:
             resolve_block(scaling, block, 1, 1)  # raises ValueError on a block that contradicts the scaling
         if self.act_fmt is not None and self.act_scaling == "channel":
             raise ValueError("act_scaling='channel' would scale activations per batch row; use 'token'")
+        if isinstance(self.ocs_ratio, bool) or not isinstance(self.ocs_ratio, (int, float)):
+            raise ValueError(f"ocs_ratio must be a number in [0, 1), got {self.ocs_ratio!r}")
+        if not 0.0 <= self.ocs_ratio < 1.0:
+            raise ValueError(f"ocs_ratio must be in [0, 1), got {self.ocs_ratio}")
+        if self.ocs_ratio > 0 and not FORMATS[self.weight_fmt].is_uniform:
+            raise ValueError(
+                f"ocs_ratio > 0 needs an integer weight_fmt (int8, nint8, nint4, nint2) for the rounding-aware "
+                f"split, got {self.weight_fmt!r}"
+            )
 
     @property
     def weight_only(self) -> bool:
@@ -77,6 +105,47 @@ RECIPES: dict[str, QuantRecipe] = {
 """Recipes by name; the aliases ``fp8`` (-> ``fp8_block``) and ``fp4`` (-> ``nvfp4``) map to the same objects."""
 RECIPES["fp8"] = RECIPES["fp8_block"]
 RECIPES["fp4"] = RECIPES["nvfp4"]
+
+INT_GROUP = (1, 32)
+"""Group (block) of the nested integer recipes: 32 elements along K, the OCP MX block size."""
+DEFAULT_OCS_RATIO = 0.05
+"""Fraction of input channels the ``*_ocs`` recipes split."""
+
+
+def nested_int_recipe(
+    bits: int, weight_only: bool = False, ocs_ratio: float = 0.0, name: str | None = None
+) -> QuantRecipe:
+    """A nested-integer recipe at ``bits`` (8, 4, 2): ``nint<bits>`` in groups of 32 with E4M3 scales.
+
+    Weights: ``group_e4m3`` (FP32 per-tensor second level); activations (unless ``weight_only``):
+    ``token_group_e4m3`` (FP32 per-token second level, so no token depends on the rest of the batch).
+    The default name follows the table of the module docstring.
+    """
+    if bits not in (8, 4, 2):
+        raise ValueError(f"bits must be 8, 4 or 2, got {bits!r}")
+    fmt = f"nint{bits}"
+    if name is None:
+        name = ("int8_nested" if bits == 8 else f"int{bits}") + ("_w" if weight_only else "")
+        name += "_ocs" if ocs_ratio > 0 else ""
+    act = (None, "token", None) if weight_only else (fmt, "token_group_e4m3", INT_GROUP)
+    return QuantRecipe(name, fmt, "group_e4m3", INT_GROUP, *act, ocs_ratio=ocs_ratio)
+
+
+def _nested_int_recipes() -> dict[str, QuantRecipe]:
+    out = {}
+    for ocs in (False, True):
+        for bits in (8, 4, 2):
+            for weight_only in (False, True):
+                recipe = nested_int_recipe(bits, weight_only, DEFAULT_OCS_RATIO if ocs else 0.0)
+                out[recipe.name] = recipe
+    return out
+
+
+_NESTED_INT = _nested_int_recipes()
+RECIPES.update(_NESTED_INT)
+NESTED_INT_RECIPES: tuple[str, ...] = tuple(_NESTED_INT)
+"""Names of the nested integer recipes (emulated): ``int8_nested``, ``int8_nested_w``, ``int4``, ``int4_w``,
+``int2``, ``int2_w`` and the same six with ``_ocs``."""
 
 
 def get_recipe(name: str | QuantRecipe) -> QuantRecipe:

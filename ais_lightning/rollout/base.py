@@ -8,11 +8,14 @@ step with the trainer's full (unsharded) weights and buffers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from ais_lightning.ops import take_rows
 
 
 @dataclass
@@ -37,8 +40,10 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(
+                f"SamplingConfig.temperature must be a finite number >= 0, got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -58,6 +63,9 @@ class RolloutBatch:
     ``rollout_logprobs``: ``[B, T]`` float32, log mu of each sampled token (0 where masked).
     ``finish_reason``: ``B`` strings, ``"stop"`` or ``"length"``.
     ``prompt_index``: ``[B]`` long, which input prompt each row answers.
+    ``extras``: per-row tensors (first dim ``B``) that a model family needs to score its own samples,
+    e.g. the denoising step at which a masked-diffusion sampler unmasked each response token; empty
+    for autoregressive engines.
     """
 
     prompt_ids: torch.Tensor
@@ -67,6 +75,11 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor
     finish_reason: list[str]
     prompt_index: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, index: torch.Tensor) -> RolloutBatch:
+        """The rows ``index`` (``[R]`` long) of every field."""
+        return take_rows(self, index)
 
     @property
     def num_tokens(self) -> int:

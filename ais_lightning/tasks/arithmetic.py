@@ -1,6 +1,6 @@
 """Integer arithmetic: ``"12+34="`` -> ``"46"``.
 
-The classic toy RL task for tiny models (e.g. the 2-digit addition warm-start in design.md
+The classic toy RL task for tiny models (e.g. the 2-digit addition warm-start in docs/design.md
 section 5). Operands have between ``min_digits`` and ``digits`` digits; operators follow Python
 precedence (``*`` binds tighter than ``+``/``-``).
 """

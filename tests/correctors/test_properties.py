@@ -26,7 +26,7 @@ def correctors(draw):
     """Any corrector with any valid options."""
     kind = draw(st.sampled_from(["none", "tis", "mis", "ais"]))
     if kind == "none":
-        return NoCorrection(c=draw(c_highs))
+        return NoCorrection()
     if kind == "tis":
         return TIS(level=draw(levels), c_high=draw(c_highs), c_low=draw(c_lows))
     if kind == "mis":
@@ -111,7 +111,7 @@ def test_on_policy_ais_lambda_is_zero(make_random_inputs, seed, b, t, flags):
 def test_ais_limits_equal_none_and_token_tis(make_random_inputs, seed, b, t, scale, c, flags):
     train, rollout, mask, adv, ent = make_random_inputs(seed, b, t, scale)
     kw = extras(flags, adv, ent)
-    for fixed, reference in ((0.0, NoCorrection(c=c)), (1.0, TIS(level="token", c_high=c))):
+    for fixed, reference in ((0.0, NoCorrection()), (1.0, TIS(level="token", c_high=c))):
         ais_out = AIS(c=c, fixed_lambda=fixed)(train, rollout, mask, **kw)
         ref_out = reference(train, rollout, mask, **kw)
         assert torch.equal(ais_out.weights, ref_out.weights)

@@ -27,27 +27,24 @@ def check(out, weights, mask, **stats):
         assert out.stats[key.replace("__", "/")] == pytest.approx(value, abs=1e-6), key
 
 
-def test_raw_ratio_stats_are_independent_of_the_corrector(example):
+def test_raw_ratio_statistics_come_from_the_diagnostics_not_the_corrector(example):
+    # The raw ratio statistics moved to ais_lightning.diagnostics (one place, exact under DDP):
     # mean = (3 + .25 + 1.5 + .8 + 1.25 + .1 + .2 + .4) / 8 = 7.5 / 8; the padding 0.01 is ignored.
     # above 2: {3} -> 1/8; below 0.5: {.25, .1, .2, .4} -> 4/8.
+    from ais_lightning.diagnostics import RatioStatistic
+
+    expected = {"mean": 0.9375, "min": 0.1, "max": 3.0, "frac_above": 1 / 8, "frac_below": 4 / 8}
+    for stat, value in expected.items():
+        metric = RatioStatistic(stat, c=2.0)
+        metric.update(*example)
+        assert float(metric.compute()) == pytest.approx(value, abs=1e-6), stat
+    # TIS c_high = 1.4: above {3, 1.5} = 2/8; below 1/1.4 = 0.714: {.25, .1, .2, .4} = 4/8.
+    for stat, value in {"frac_above": 2 / 8, "frac_below": 4 / 8}.items():
+        metric = RatioStatistic(stat, c=1.4)
+        metric.update(*example)
+        assert float(metric.compute()) == pytest.approx(value), stat
     for corrector in (NoCorrection(), TIS(), MIS(), TIS(level="sequence"), MIS(level="geometric")):
-        out = corrector(*example)
-        assert out.stats["ratio/mean"] == pytest.approx(0.9375, abs=1e-6)
-        assert out.stats["ratio/min"] == pytest.approx(0.1, abs=1e-6)
-        assert out.stats["ratio/max"] == pytest.approx(3.0, abs=1e-6)
-        assert out.stats["ratio/frac_above_c_high"] == pytest.approx(1 / 8)
-        assert out.stats["ratio/frac_below_c_low"] == pytest.approx(4 / 8)
-
-
-def test_ratio_stats_use_the_corrector_thresholds(example):
-    # TIS c_high=1.4, c_low=0.3: above {3, 1.5} = 2/8, below {.25, .1, .2} = 3/8.
-    out = TIS(c_high=1.4, c_low=0.3)(*example)
-    assert out.stats["ratio/frac_above_c_high"] == pytest.approx(2 / 8)
-    assert out.stats["ratio/frac_below_c_low"] == pytest.approx(3 / 8)
-    # NoCorrection(c=3.5): above 3.5 none, below 1/3.5 = 0.2857: {.25, .1, .2} = 3/8.
-    out = NoCorrection(c=3.5)(*example)
-    assert out.stats["ratio/frac_above_c_high"] == 0.0
-    assert out.stats["ratio/frac_below_c_low"] == pytest.approx(3 / 8)
+        assert not any(k.startswith("ratio/") for k in corrector(*example).stats)
 
 
 def test_no_correction(example):

@@ -106,7 +106,6 @@ def test_empty_mask_gives_zero_weights_and_finite_stats(corrector):
         (lambda: MIS(level="seq"), "level"),
         (lambda: MIS(veto=0.0), "veto"),
         (lambda: MIS(veto=1.5), "veto"),
-        (lambda: NoCorrection(c=0.9), "c must"),
         (lambda: AIS(c=0.5), "c must"),
         (lambda: AIS(kappa=0.0), "kappa"),
         (lambda: AIS(alpha=-1.0), "alpha"),
@@ -145,3 +144,15 @@ def test_correctors_are_modules_without_lightning():
                 names = [node.module or ""]
             assert not any(n.split(".")[0] in {"lightning", "pytorch_lightning"} for n in names), path
     assert all(isinstance(c, torch.nn.Module) for c in ALL)
+
+
+@pytest.mark.parametrize("corrector", ALL, ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0), (0, 0)])
+def test_zero_size_batches_give_empty_weights_and_finite_stats(corrector, shape):
+    """B = 0 or T = 0 (no prompt, or all responses empty) used to crash in a min() over no tokens."""
+    zeros = torch.zeros(shape)
+    out = corrector(
+        zeros, zeros, torch.ones(shape, dtype=torch.bool), advantages=torch.zeros(shape[0]), entropy=zeros
+    )
+    assert out.weights.shape == shape and out.mask.shape == shape
+    assert all(math.isfinite(v) for v in out.stats.values())

@@ -173,7 +173,7 @@ def test_collection_names_and_values():
         "mismatch/ratio_frac_below": 0.25,
         "mismatch/ppl_ratio": math.sqrt(2.0),
     }
-    # ais_lambda with C = 1.5 (design.md section 4, defaults kappa = alpha = beta = 1, eps = 1e-6):
+    # ais_lambda with C = 1.5 (docs/design.md section 4, defaults kappa = alpha = beta = 1, eps = 1e-6):
     # w_C = {1.5, 0.5, 1, 1.5}; R = 4.5^2 / (4 * 5.75); D = k3 above, H = 1: s = 1 - exp(-D / (1 + eps));
     # V = E[w_C^2] = 5.75 / 4, v = 1 / V; lambda = s * R * v ~= 0.2514
     k3 = 0.875 - LN2 / 2
@@ -181,3 +181,25 @@ def test_collection_names_and_values():
     assert set(out) == set(expected)
     for name, want in expected.items():
         assert out[name] == pytest.approx(want, rel=1e-6), name
+
+
+def test_a_precomputed_log_ratio_gives_the_same_values_as_the_log_probs():
+    """A training loop computes delta once and hands it to every metric: same result, no re-validation."""
+    from ais_lightning import ops
+    from ais_lightning.diagnostics import MismatchDiagnostics
+
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(4, 6, generator=g) * 3
+    train = rollout + 0.3 * torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) < 0.8
+    adv = torch.randn(4, generator=g)
+    plain, shared = MismatchDiagnostics(), MismatchDiagnostics()
+    plain.update(train, rollout, mask, advantages=adv)
+    delta = ops.log_ratio(train, rollout, mask)
+    # Garbage log-probs prove that the metrics read delta only.
+    nan = torch.full_like(train, float("nan"))
+    shared.update(nan, nan, mask, advantages=adv, log_ratio=delta)
+    a, b = plain.compute(), shared.compute()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

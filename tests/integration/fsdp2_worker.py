@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from ais_lightning.correctors import AIS
 from ais_lightning.losses import GRPOLoss
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
-from ais_lightning.modules.grpo import GRPOModule
+from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
 from ais_lightning.rollout.base import RolloutBatch
 from ais_lightning.rollout.torch_engine import TorchRolloutEngine
@@ -102,18 +102,13 @@ def concat(a: RolloutBatch, b: RolloutBatch, b_prompt_offset: int, pad_id: int) 
 
 
 def make_module(engine_factory) -> GRPOModule:
-    tokenizer = build_char_tokenizer()
     return GRPOModule(
-        policy=Policy(build_tiny_qwen3(seed=0)),
-        tokenizer=tokenizer,
+        policy=Policy(build_tiny_qwen3(seed=0), build_char_tokenizer()),
         task=OddCharacters(digits=1),
         corrector=AIS(),
         loss=GRPOLoss(aggregation="seq-mean-token-sum-norm", max_response_length=4),
         engine_factory=engine_factory,
-        group_size=GROUP,
-        max_new_tokens=4,
-        lr=LR,
-        grad_clip=0.0,
+        settings=GRPOSettings(group_size=GROUP, max_new_tokens=4, lr=LR, grad_clip=0.0),
         seed=0,
     )
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ais_lightning.build import align_policy
 from ais_lightning.diagnostics import MismatchKL
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy
@@ -29,14 +28,16 @@ def test_aligned_forward_cuts_the_fp8_mismatch_kl_by_more_than_10x():
     batch = engine.generate(prompts, SamplingConfig(n=4, max_new_tokens=12, seed=0))
 
     unaligned = _mismatch_kl(Policy(model), batch)
-    aligned_policy = align_policy(Policy(build_tiny_qwen3(seed=0)), "rollout", "fp8")
+    aligned_policy = Policy(build_tiny_qwen3(seed=0), aligned_quantization="fp8")
+    assert aligned_policy.apply_aligned_quantization()
     aligned = _mismatch_kl(aligned_policy, batch)
     assert unaligned > 1e-6, "the fp8 engine must differ from the fp32 trainer"
     assert aligned * 10 <= unaligned, (aligned, unaligned)
 
 
 def test_aligned_forward_still_trains_the_master_weights():
-    policy = align_policy(Policy(build_tiny_qwen3(seed=0)), "rollout", "fp8")
+    policy = Policy(build_tiny_qwen3(seed=0), aligned_quantization="fp8")
+    policy.apply_aligned_quantization()
     prompt_ids = torch.tensor([[20, 14, 21, 32]])
     response_ids = torch.tensor([[23, 2]])
     out = policy.response_logprobs(

@@ -41,7 +41,7 @@ def test_multirun_lands_as_four_mlflow_runs_in_one_experiment(tmp_path: Path):
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     exp = client.get_experiment_by_name("ais_lightning")
     runs = client.search_runs([exp.experiment_id])
-    assert sorted(r.data.params["corrector.name"] for r in runs) == ["ais", "mis", "none", "tis"]
+    assert sorted(r.data.params["corrector"] for r in runs) == ["ais", "mis", "none", "tis"]
     for run in runs:
         assert run.info.status == "FINISHED"
         assert run.data.params["rollout.precision"] == "int8"
@@ -50,7 +50,7 @@ def test_multirun_lands_as_four_mlflow_runs_in_one_experiment(tmp_path: Path):
         assert "summary/reward_last" in run.data.metrics
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert {"config.yaml", "summary.json", "summary.png"} <= artifacts
-    ais = next(r for r in runs if r.data.params["corrector.name"] == "ais")
+    ais = next(r for r in runs if r.data.params["corrector"] == "ais")
     assert 0.0 <= ais.data.metrics["ais/lambda"] <= 1.0
 
 
@@ -65,7 +65,7 @@ def test_metrics_arrive_at_a_real_mlflow_server(tmp_path: Path):
         (run,) = client.search_runs([exp.experiment_id])
         assert run.info.status == "FINISHED"
         assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
-        assert run.data.params["corrector.name"] == "ais"
+        assert run.data.params["corrector"] == "ais"
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert {"config.yaml", "summary.json", "summary.png"} <= artifacts
 

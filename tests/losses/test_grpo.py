@@ -25,7 +25,7 @@ def test_symmetric_clip_both_sides_hand_values():
     #  A=+1 r=1.5 -> -1.2 (upper clip)   A=+1 r=0.5 -> -0.5
     #  A=-1 r=0.5 -> +0.8 (lower clip)   A=-1 r=1.5 -> +1.5
     logprobs, old, adv, mask = _inputs([1.5, 0.5, 0.5, 1.5], [1.0, 1.0, -1.0, -1.0])
-    out = GRPOLoss()(logprobs, old, adv, mask)
+    out = GRPOLoss(epsilon_high=0.2)(logprobs, old, adv, mask)  # symmetric: both clips at 0.2
     assert isinstance(out, LossOutput)
     assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5) / 4)
     assert out.stats["loss/pg_clipfrac"] == pytest.approx(0.5)
@@ -54,11 +54,11 @@ def test_dual_clip_hand_values():
     #  A=+1 r=5 -> -1.2 (upper clip, dual clip never applies to A > 0)
     #  A=-2 r=4 -> PPO 8,  dual min(8, 6) = 6 (active)
     logprobs, old, adv, mask = _inputs([5.0, 2.0, 5.0, 4.0], [-1.0, -1.0, 1.0, -2.0])
-    out = GRPOLoss(dual_clip=3.0)(logprobs, old, adv, mask)
+    out = GRPOLoss(epsilon_high=0.2, dual_clip=3.0)(logprobs, old, adv, mask)
     assert out.loss.item() == pytest.approx((3.0 + 2.0 - 1.2 + 6.0) / 4)
     assert out.stats["loss/pg_clipfrac_lower"] == pytest.approx(0.5)
     assert out.stats["loss/pg_clipfrac"] == pytest.approx(0.25)
-    plain = GRPOLoss()(logprobs, old, adv, mask)
+    plain = GRPOLoss(epsilon_high=0.2)(logprobs, old, adv, mask)
     assert plain.loss.item() == pytest.approx((5.0 + 2.0 - 1.2 + 8.0) / 4)
 
 
@@ -67,7 +67,7 @@ def test_weights_multiply_after_clipping():
     # A=-1 r=0.5 w=2:   after clip  0.8 * 2   =  1.6 (weight inside the ratio would give 1.0)
     logprobs, old, adv, mask = _inputs([1.5, 0.5], [1.0, -1.0])
     weights = torch.tensor([[0.5, 2.0]], dtype=F64)
-    out = GRPOLoss()(logprobs, old, adv, mask, weights=weights)
+    out = GRPOLoss(epsilon_high=0.2)(logprobs, old, adv, mask, weights=weights)
     assert out.loss.item() == pytest.approx((-0.6 + 1.6) / 2)
     assert out.stats["loss/pg_clipfrac"] == pytest.approx(1.0)  # clipping judged on the raw ratio
 
@@ -224,8 +224,14 @@ def test_bypass_equals_decoupled_with_pi_old_equal_mu_and_unit_weights():
     )
     torch.testing.assert_close(bypass.loss, decoupled.loss)
     assert bypass.stats == pytest.approx(decoupled.stats)
+    # NoCorrection's identity weights are accepted (one call signature for every loss), and mu may come
+    # as rollout_logprobs; real IS weights are refused: the ratio pi_theta/mu already is the IS ratio.
+    ones = GRPOLoss(mode="bypass", dual_clip=2.0)(
+        logprobs, mu + 1.0, adv, mask, weights=mask.to(F64), rollout_logprobs=mu
+    )
+    torch.testing.assert_close(ones.loss, bypass.loss)
     with pytest.raises(ValueError, match="weights"):
-        GRPOLoss(mode="bypass")(logprobs, mu, adv, mask, weights=torch.ones(3, 4, dtype=F64))
+        GRPOLoss(mode="bypass")(logprobs, mu, adv, mask, weights=torch.full((3, 4), 2.0, dtype=F64))
 
 
 def test_no_valid_tokens_gives_connected_zero_loss_and_finite_stats():

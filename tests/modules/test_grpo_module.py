@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from ais_lightning.correctors import AIS
 from ais_lightning.losses import GRPOLoss
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
-from ais_lightning.modules.grpo import GRPOModule
+from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
 from ais_lightning.rollout import TorchRolloutEngine
 from ais_lightning.tasks.arithmetic import Arithmetic
@@ -46,17 +47,14 @@ class NaNLoss(GRPOLoss):
         return dataclasses.replace(out, loss=out.loss * float("nan"))
 
 
-def _module(engine_factory=None, loss=None) -> GRPOModule:
+def _module(engine_factory=None, loss=None, **settings) -> GRPOModule:
     return GRPOModule(
-        policy=Policy(build_tiny_qwen3(seed=0)),
-        tokenizer=build_char_tokenizer(),
+        policy=Policy(build_tiny_qwen3(seed=0), build_char_tokenizer()),
         task=OddCharacters(digits=1),
         corrector=AIS(),
         loss=loss or GRPOLoss(),
         engine_factory=engine_factory or (lambda m: TorchRolloutEngine(m, precision="fp32")),
-        group_size=4,
-        max_new_tokens=4,
-        lr=1e-3,
+        settings=GRPOSettings(group_size=4, max_new_tokens=4, lr=1e-3, **settings),
     )
 
 
@@ -114,21 +112,30 @@ def test_logged_lambda_diagnostic_is_the_lambda_ais_uses():
     torch.testing.assert_close(metrics["mismatch/ais_lambda"], metrics["ais/lambda"], rtol=1e-5, atol=1e-7)
 
 
-def test_nonfinite_rollout_logprobs_skip_the_update():
+def test_nonfinite_rollout_logprobs_skip_the_update_but_count_as_a_step():
+    """No weight changes, yet the step counts toward max_steps (an empty optimizer step): a run of bad
+    steps still ends instead of looping forever."""
     module = _module(engine_factory=NaNRollouts)
     before = _weights(module)
     trainer = _fit(module)
-    assert trainer.global_step == 0
+    assert trainer.global_step == 1
     assert all(torch.equal(before[k], v) for k, v in _weights(module).items())
     assert trainer.callback_metrics["train/nonfinite_logprobs"] == 1.0
     assert trainer.callback_metrics["train/skipped_updates"] == 1.0
     assert module.history == []
+    assert module.bad_steps == 1
 
 
 def test_nonfinite_loss_skips_the_optimizer_step():
     module = _module(loss=NaNLoss())
     before = _weights(module)
     trainer = _fit(module)
-    assert trainer.global_step == 0
+    assert trainer.global_step == 1
     assert all(torch.equal(before[k], v) for k, v in _weights(module).items())
     assert trainer.callback_metrics["train/skipped_updates"] == 1.0
+
+
+def test_consecutive_bad_steps_abort_the_run_naming_the_cause():
+    module = _module(engine_factory=NaNRollouts, max_bad_steps=1)
+    with pytest.raises(RuntimeError, match="non-finite log-probs.*max_bad_steps"):
+        _fit(module)

@@ -1,0 +1,97 @@
+"""The Lightning Trainer of ``ais-train``: its settings (the ``trainer`` group), strategy and callbacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("auto", "fsdp2", "fsdp")
+"""``auto`` (one process), ``fsdp2`` (ModelParallelStrategy, FSDP2 ``fully_shard``; runs on CPU over gloo
+and on GPUs over NCCL), ``fsdp`` (Lightning's FSDPStrategy, FSDP1, CUDA only)."""
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+
+
+@dataclass
+class TrainerSettings:
+    """Lightning Trainer settings (the ``trainer`` group of ``ais-train``); each default lives here only."""
+
+    max_steps: int = 200
+    """Training (rollout) steps."""
+    accelerator: str = "cpu"
+    """cpu | gpu | cuda | auto."""
+    devices: Any = 1
+    """Devices (processes) per node: an int, a list of device ids, or "auto"."""
+    num_nodes: int = 1
+    """Nodes (machines); with a cluster launcher (SLURM, torchrun) every node runs the same command."""
+    strategy: str = "auto"
+    """auto | fsdp2 (ModelParallelStrategy, FSDP2 fully_shard; CPU or GPU) | fsdp (FSDPStrategy, CUDA only)."""
+    precision: str = "32-true"
+    """Lightning precision plugin (the trainer's precision)."""
+    checkpoint_every_n_steps: int = 0
+    """Save a checkpoint every N rollout steps (0 = only at the end)."""
+    enable_progress_bar: bool = True
+    """Show a progress bar."""
+    num_threads: int | None = None
+    """torch intra-op threads (None = torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("max_steps", 1), ("num_nodes", 1), ("checkpoint_every_n_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.num_threads is not None and (
+            isinstance(self.num_threads, bool)
+            or not isinstance(self.num_threads, int)
+            or self.num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be None or an int >= 1, got {self.num_threads!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {self.strategy!r}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator must be one of {list(ACCELERATORS)}, got {self.accelerator!r}")
+        if isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices < 1:
+            raise ValueError(f"devices must be >= 1, a list of device ids or 'auto', got {self.devices!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the run when known from the settings (1 when ``devices`` is not an int)."""
+        per_node = self.devices if isinstance(self.devices, int) else len(self.devices or []) or 1
+        return per_node * self.num_nodes
+
+    def strategy_object(self, decoder_layer: type | None = None) -> Any:
+        """The Lightning strategy for ``strategy`` (``decoder_layer``: FSDP1's auto-wrap unit)."""
+        if self.strategy == "fsdp2":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            backend = "gloo" if self.accelerator == "cpu" else None
+            return ModelParallelStrategy(
+                data_parallel_size="auto", tensor_parallel_size=1, process_group_backend=backend
+            )
+        if self.strategy == "fsdp":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "trainer.strategy=fsdp (Lightning FSDPStrategy) needs CUDA; on CPU use trainer=fsdp2"
+                )
+            from lightning.pytorch.strategies import FSDPStrategy
+
+            wrap = {decoder_layer} if decoder_layer is not None else None
+            return FSDPStrategy(auto_wrap_policy=wrap, state_dict_type="full")
+        return "auto"
+
+
+def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None) -> Any:
+    """Checkpoints under ``<output_dir>/checkpoints``: ``last.ckpt`` always, every N optimizer steps if set."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return ModelCheckpoint(
+        dirpath=Path(output_dir) / "checkpoints",
+        filename="step{step:06d}",  # no "=" in the name: Hydra overrides (ckpt_path=...) take it unquoted
+        auto_insert_metric_name=False,
+        save_last=True,
+        every_n_train_steps=every_n_train_steps,
+        save_top_k=-1 if every_n_train_steps else 1,
+        enable_version_counter=False,  # a resumed run overwrites last.ckpt: "last" is always the newest
+    )

@@ -1,237 +1,158 @@
-"""Adaptive importance sampling (AIS): one per-batch coefficient lambda mixes "none" and token TIS.
+"""Adaptive importance sampling (AIS) v2: one lambda per batch, the minimiser of an estimated MSE.
 
-AIS (arXiv 2605.13907) names three diagnostics (weight reliability, divergence severity, variance
-amplification) and one mixing coefficient. Its equations are not at hand; this is the formulation
-of design.md section 4, built from that description:
+AIS (Zhou, Shao, Zheng, Fan & Wong, arXiv 2605.13907) interpolates between the uncorrected and the
+importance-weighted policy gradient with one coefficient per batch built from three diagnostics,
+weight reliability, divergence severity and variance amplification; its equations are not public.
+This is our formulation; the derivation, its assumptions and the expected values are in
+``docs/ais.md``. Per valid token t of response s, with delta_t = clamp(log pi - log mu, +-20),
+w_t = exp(delta_t), advantage A_t and trainer entropy H_t:
 
-- delta = clamp(log pi - log mu, -20, 20), w = exp(delta), w_C = min(w, C)
-- reliability R = (sum w_C)^2 / (N sum w_C^2)                    (normalized ESS, in (0, 1])
-- severity s = 1 - exp(-D / (kappa (H + eps))), D = mean(w - 1 - delta) (k3 estimate of KL(mu||pi)),
-  H = the trainer's mean token entropy (1 when not given)
-- variance amplification V = E[(w_C A)^2] / E[A^2] (E[w_C^2] without advantages), v = min(1, 1/V)
-- lambda = clamp(s R^alpha v^beta, lambda_min, lambda_max), optional EMA over steps
-- token weight = (1 - lambda) + lambda w_C: lambda = 0 is "none", lambda = 1 is token TIS at C.
+- base weight b_t = min(w_t, C) (``base="tis"``; ``max(., c_low)`` too when ``c_low`` is set) or
+  b_t = w_t 1[c_low <= w_t <= C] (``base="mis"``, c_low = 1/C by default); token weight
+  (1 - lambda) + lambda b_t: lambda = 0 is "none", lambda = 1 the base corrector.
+- divergence severity  beta = 2 D / G  with D = sum_t k3_t / N (k3_t = w_t - 1 - delta_t, the k3
+  estimate of KL(mu || pi) per token) and G = sum_t (1 - exp(-H_t)) / N, an upper bound of the
+  policy's collision impurity 1 - sum_a pi(a)^2 (1 without entropy). If the rollout's error acts
+  like independent noise of variance sigma^2 on the logits, D = sigma^2 G / 2 to second order, so
+  beta estimates sigma^2: the relative systematic bias of the uncorrected gradient. The same D
+  is a larger beta when the policy is concentrated (small G): "exploration early, bias later".
+- weight reliability  R = max(0, 1 - se^2 / D^2), se the response-clustered standard error of D:
+  the share of the plug-in beta^2 that is not sampling noise, R beta^2 being the unbiased estimate
+  of the squared bias (0 with D = 0 or fewer than 2 responses: no evidence).
+- variance amplification  V = 1 + chi2_A, chi2_A = sum (b_t - 1)^2 A_t^2 / sum A_t^2
+  (sum (b_t - 1)^2 / N without advantages or when all are 0): the variance of the weighted
+  gradient in units of the uncorrected one's, counting only the correction's own noise.
+- MSE(lambda) / |g|^2 = (1 - lambda)^2 R beta^2 + phi (1 + lambda^2 chi2_A), phi =
+  ``noise_to_signal`` = Var(batch gradient) / |g|^2, minimised by
+  lambda* = R beta^2 / (R beta^2 + phi chi2_A)   (0 when both terms are 0),
+  clamped to [lambda_min, lambda_max], optionally smoothed by an EMA over steps.
 
-Everything is computed from sufficient statistics (sums over valid tokens), so summing them
-across ranks gives exactly the lambda of the global batch.
+Everything is computed from sums over valid tokens and responses (``ais_sufficient_statistics``),
+so summing them across ranks gives exactly the lambda of the global batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 import torch
-import torch.distributed as dist
 
 from ais_lightning import ops
 from ais_lightning.correctors.base import Corrector, RawCorrection
+from ais_lightning.correctors.distributed import all_reduce_sum
+
+BASES = ("tis", "mis")
+"""The importance-weighted end of the mix: token-level truncated IS or token-level masked IS."""
+
+SPREAD_FLOOR = 1e-6
+"""Lower bound of the spread G (an entropy below ~1e-6 nats is a deterministic policy)."""
 
 AIS_STATISTICS = (
     "num_tokens",  # N
-    "sum_w_c",  # sum w_C
-    "sum_w_c_sq",  # sum w_C^2
-    "sum_k3",  # sum (w - 1 - delta)
-    "sum_entropy",  # sum H_t (0 without entropy)
+    "num_responses",  # S, responses with >= 1 valid token
+    "sum_k3",  # sum_t k3_t
+    "sum_response_k3_sq",  # sum_s (sum_{t in s} k3_t)^2
+    "sum_response_k3_len",  # sum_s (sum_{t in s} k3_t) n_s
+    "sum_response_len_sq",  # sum_s n_s^2
+    "sum_spread",  # sum_t (1 - exp(-H_t))  (0 without entropy)
     "num_entropy",  # N with entropy, else 0
-    "sum_w_c_adv_sq",  # sum (w_C A)^2 (0 without advantages)
-    "sum_adv_sq",  # sum A^2 (0 without advantages)
+    "sum_adv_sq",  # sum_t A_t^2  (0 without advantages)
+    "sum_dev_sq_adv_sq",  # sum_t (b_t - 1)^2 A_t^2
     "num_adv",  # N with advantages, else 0
+    "sum_dev_sq",  # sum_t (b_t - 1)^2
 )
 """Names of the entries of the vector returned by ``ais_sufficient_statistics``, in order."""
 
 NUM_AIS_STATISTICS = len(AIS_STATISTICS)
 
-
-def check_ais_args(
-    c: float = 2.0,
-    kappa: float = 1.0,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    lambda_min: float = 0.0,
-    lambda_max: float = 1.0,
-    eps: float = 1e-6,
-) -> None:
-    """Raise ValueError naming the first invalid AIS hyper-parameter."""
-    if not c >= 1.0:
-        raise ValueError(f"c must be >= 1 (the truncation C of w_C = min(w, C)), got {c}")
-    if not kappa > 0.0:
-        raise ValueError(f"kappa must be > 0, got {kappa}")
-    if not alpha >= 0.0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
-    if not beta >= 0.0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
-    if not 0.0 <= lambda_min <= 1.0:
-        raise ValueError(f"lambda_min must be in [0, 1], got {lambda_min}")
-    if not 0.0 <= lambda_max <= 1.0:
-        raise ValueError(f"lambda_max must be in [0, 1], got {lambda_max}")
-    if lambda_min > lambda_max:
-        raise ValueError(f"lambda_min ({lambda_min}) must be <= lambda_max ({lambda_max})")
-    if not eps > 0.0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+AIS_COMPONENTS = (
+    "lambda",
+    "lambda_raw",
+    "severity",
+    "reliability",
+    "variance_amplification",
+    "bias_sq",
+    "variance_excess",
+    "kl_k3",
+    "kl_k3_se",
+    "spread",
+)
+"""Keys of ``ais_coefficient``'s result (each logged by ``AIS`` as ``ais/<key>``)."""
 
 
-def ais_coefficient_kwargs(
-    c: float = 2.0,
-    kappa: float = 1.0,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    lambda_min: float = 0.0,
-    lambda_max: float = 1.0,
-    eps: float = 1e-6,
-    use_reliability: bool = True,
-    use_severity: bool = True,
-    use_variance: bool = True,
-) -> dict[str, float | bool]:
-    """Validated keyword arguments of ``ais_coefficient`` (shared by ``AIS`` and ``AISCoefficient``)."""
-    check_ais_args(
-        c=c, kappa=kappa, alpha=alpha, beta=beta, lambda_min=lambda_min, lambda_max=lambda_max, eps=eps
-    )
-    return dict(
-        kappa=float(kappa),
-        alpha=float(alpha),
-        beta=float(beta),
-        eps=float(eps),
-        lambda_min=float(lambda_min),
-        lambda_max=float(lambda_max),
-        use_reliability=bool(use_reliability),
-        use_severity=bool(use_severity),
-        use_variance=bool(use_variance),
-    )
+# ----------------------------------------------------------------------------- shared with v1
 
 
-def ais_sufficient_statistics(
-    delta: torch.Tensor,
-    mask: torch.Tensor,
-    c: float,
-    advantages: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Sums over valid tokens from which ``ais_coefficient`` computes lambda.  # [K] float64
+def check_unit_interval(value: Any, name: str) -> float:
+    """``value`` as a float in [0, 1], else ValueError starting with ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_lambda_bounds(lambda_min: Any, lambda_max: Any) -> tuple[float, float]:
+    """``(lambda_min, lambda_max)`` as floats with 0 <= lambda_min <= lambda_max <= 1."""
+    lo = check_unit_interval(lambda_min, "lambda_min")
+    hi = check_unit_interval(lambda_max, "lambda_max")
+    if lo > hi:
+        raise ValueError(f"lambda_min ({lo}) must be <= lambda_max ({hi})")
+    return lo, hi
+
+
+def check_truncation(c: Any) -> float:
+    """The truncation C as a float >= 1 (inf: none; the ratio 1 of an on-policy token is never cut)."""
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0:
+        raise ValueError(f"c must be >= 1 (the upper bound C of the importance weight), got {c!r}")
+    return float(c)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` if it is a bool, else ValueError starting with ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def safe_ratio(num: torch.Tensor, den: torch.Tensor, default: torch.Tensor | float) -> torch.Tensor:
+    """num / den where den > 0, else ``default`` (no 0/0 in either branch of the ``where``)."""
+    ok = den > 0
+    default = torch.as_tensor(default, dtype=num.dtype, device=num.device)
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), default)
+
+
+def k3_per_token(delta: torch.Tensor) -> torch.Tensor:
+    """k3 = w - 1 - delta = expm1(delta) - delta in float64, >= 0.  # [B, T]
+
+    float64 and ``expm1``: for the log-ratios of FP8 rollouts (KL ~ 1e-3) ``w - 1 - delta`` in
+    float32 loses most of its digits.
+    """
+    d = delta.detach().double()
+    return (torch.expm1(d) - d).clamp(min=0.0)
+
+
+def token_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``[B]`` (one per response, broadcast) or ``[B, T]`` advantages as float64 ``[B, T]``."""
+    a = advantages.detach().double()
+    if a.dim() == 1 and a.shape[0] == shape[0]:
+        a = a.unsqueeze(-1).expand(shape)  # [B] -> [B, T]
+    if a.shape != shape:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [B] or {tuple(shape)}")
+    return a
+
+
+class MixingCorrector(Corrector):
+    """Token weight (1 - lambda) + lambda b_t with one lambda per batch (shared by ``AIS`` and ``AISv1``).
+
+    A subclass holds ``self.params`` (with ``lambda_min``/``lambda_max``) and defines ``base_weights``
+    (b_t and which tokens it clips), ``statistics`` (sums over valid tokens) and ``coefficient``
+    (lambda from the summed statistics, a dict with ``lambda`` and ``lambda_raw``). ``correct``
+    all-reduces the statistics when ``torch.distributed`` is initialized (every rank then uses the
+    lambda of the global batch, and every rank must call the corrector: a collective, torchmetrics
+    #3199), applies ``fixed_lambda`` or the EMA, and mixes.
 
     Args:
-        delta: ``[B, T]`` clamped log-ratio log pi - log mu (``ops.log_ratio``).
-        mask: ``[B, T]`` bool, True on valid tokens.
-        c: truncation C >= 1 of w_C = min(w, C).
-        advantages: optional ``[B]`` (broadcast to tokens) or ``[B, T]`` advantages.
-        entropy: optional ``[B, T]`` trainer token entropy.
-
-    Returns the float64 vector named by ``AIS_STATISTICS``. Sums of vectors from disjoint batches
-    (or from ranks) are the statistics of the union, so lambda is exact under data parallelism.
-    k3 uses ``expm1(delta) - delta`` in float64: for the small log-ratios of FP8 rollouts
-    (KL ~ 1e-3) ``w - 1 - delta`` in float32 loses most of its digits.
-    """
-    ops.check_mask(mask)
-    if delta.shape != mask.shape:
-        raise ValueError(f"delta has shape {tuple(delta.shape)} but mask has shape {tuple(mask.shape)}")
-    if not c >= 1.0:
-        raise ValueError(f"c must be >= 1, got {c}")
-    d = delta.detach().double()  # [B, T]
-    w_c = torch.exp(d).clamp(max=c)  # [B, T]
-    n = mask.sum().double()
-    zero = torch.zeros_like(n)
-    parts = [
-        n,
-        ops.masked_sum(w_c, mask),
-        ops.masked_sum(w_c.square(), mask),
-        ops.masked_sum(torch.expm1(d) - d, mask),
-    ]
-    if entropy is not None:
-        parts += [ops.masked_sum(entropy.detach().double(), mask), n]
-    else:
-        parts += [zero, zero]
-    if advantages is not None:
-        a = advantages.detach().double()
-        if a.dim() == 1:
-            a = a.unsqueeze(-1).expand_as(d)  # [B] -> [B, T]
-        if a.shape != d.shape:
-            raise ValueError(
-                f"advantages has shape {tuple(advantages.shape)}; expected [B] or {tuple(d.shape)}"
-            )
-        parts += [ops.masked_sum((w_c * a).square(), mask), ops.masked_sum(a.square(), mask), n]
-    else:
-        parts += [zero, zero, zero]
-    return torch.stack(parts)
-
-
-def ais_coefficient(
-    stats: torch.Tensor,
-    *,
-    kappa: float = 1.0,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    eps: float = 1e-6,
-    lambda_min: float = 0.0,
-    lambda_max: float = 1.0,
-    use_reliability: bool = True,
-    use_severity: bool = True,
-    use_variance: bool = True,
-) -> dict[str, torch.Tensor]:
-    """lambda and its components from summed sufficient statistics (design.md section 4).
-
-    Returns 0-dim float64 tensors: ``lambda`` (clamped to [lambda_min, lambda_max], no EMA),
-    ``lambda_raw`` (s R^alpha v^beta with switched-off components counted as 1), ``reliability``
-    R, ``severity`` s, ``variance_factor`` v, ``variance_amplification`` V, ``kl_k3`` D and
-    ``entropy`` H. The components are always reported as measured, switched off or not.
-    With no valid tokens: R = v = V = 1, D = 0, s = 0, so lambda = lambda_min, and no NaN.
-    If every advantage is 0 (a GRPO batch with equal rewards) V falls back to E[w_C^2].
-    """
-    check_ais_args(kappa=kappa, alpha=alpha, beta=beta, lambda_min=lambda_min, lambda_max=lambda_max, eps=eps)
-    if stats.shape != (NUM_AIS_STATISTICS,):
-        raise ValueError(
-            f"stats must have shape [{NUM_AIS_STATISTICS}] (AIS_STATISTICS), got {tuple(stats.shape)}"
-        )
-    n, sum_w_c, sum_w_c_sq, sum_k3, sum_ent, n_ent, sum_w_c_adv_sq, sum_adv_sq, n_adv = (
-        stats.double().unbind()
-    )
-    one = torch.ones_like(n)
-
-    def ratio(num: torch.Tensor, den: torch.Tensor, default: torch.Tensor) -> torch.Tensor:
-        """num / den where den > 0, else ``default`` (no 0/0 in either branch)."""
-        return torch.where(den > 0, num / torch.where(den > 0, den, one), default)
-
-    reliability = ratio(sum_w_c.square(), n * sum_w_c_sq, one).clamp(0.0, 1.0)
-    kl_k3 = ratio(sum_k3, n, torch.zeros_like(n)).clamp(min=0.0)
-    entropy = ratio(sum_ent, n_ent, one).clamp(min=0.0)
-    severity = -torch.expm1(-kl_k3 / (kappa * (entropy + eps)))
-    second_moment = ratio(sum_w_c_sq, n, one)  # E[w_C^2]
-    use_adv = (n_adv > 0) & (sum_adv_sq > 0)
-    variance_amplification = torch.where(use_adv, ratio(sum_w_c_adv_sq, sum_adv_sq, one), second_moment)
-    variance_factor = ratio(one, variance_amplification, one).clamp(max=1.0)
-    lambda_raw = one.clone()
-    if use_severity:
-        lambda_raw = lambda_raw * severity
-    if use_reliability:
-        lambda_raw = lambda_raw * reliability.pow(alpha)
-    if use_variance:
-        lambda_raw = lambda_raw * variance_factor.pow(beta)
-    return {
-        "lambda": lambda_raw.clamp(lambda_min, lambda_max),
-        "lambda_raw": lambda_raw,
-        "reliability": reliability,
-        "severity": severity,
-        "variance_factor": variance_factor,
-        "variance_amplification": variance_amplification,
-        "kl_k3": kl_k3,
-        "entropy": entropy,
-    }
-
-
-class AIS(Corrector):
-    """Adaptive IS: weight = (1 - lambda) + lambda min(w, C) on valid tokens, one lambda per batch.
-
-    See the module docstring for the formulation. If ``torch.distributed`` is initialized the
-    sufficient statistics are all-reduced (SUM) before lambda is computed, so every rank uses the
-    same lambda; every rank must then call the corrector (a collective, torchmetrics #3199).
-
-    Args:
-        c: truncation C >= 1 of w_C = min(w, C); also the threshold of the raw-ratio stats (1/C below).
-        kappa: severity temperature (> 0): s = 1 - exp(-D / (kappa (H + eps))).
-        alpha: exponent (>= 0) of the reliability R.
-        beta: exponent (>= 0) of the variance factor v.
-        lambda_min: lower clamp of lambda, in [0, 1].
-        lambda_max: upper clamp of lambda, in [lambda_min, 1].
-        eps: added to the mean entropy H in the severity (> 0), avoids division by zero.
-        use_reliability: include R in lambda (False: counts as 1).
-        use_severity: include s in lambda (False: counts as 1).
-        use_variance: include v in lambda (False: counts as 1).
         ema_decay: None, or a float in [0, 1): lambda_t = decay lambda_{t-1} + (1 - decay) lambda_raw,
             the first step uses lambda_raw; the state is kept in buffers (state_dict, checkpoints)
             and only advanced in training mode. lambda_min/max clamp the EMA.
@@ -239,49 +160,58 @@ class AIS(Corrector):
             diagnostics are still computed and logged, the EMA state is left untouched.
     """
 
-    def __init__(
-        self,
-        c: float = 2.0,
-        kappa: float = 1.0,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        lambda_min: float = 0.0,
-        lambda_max: float = 1.0,
-        eps: float = 1e-6,
-        use_reliability: bool = True,
-        use_severity: bool = True,
-        use_variance: bool = True,
-        ema_decay: float | None = None,
-        fixed_lambda: float | None = None,
-    ) -> None:
+    params: Any
+    logged: tuple[str, ...] = ()
+    """Coefficient keys logged as ``ais/<key>`` besides ``ais/lambda`` (the applied value)."""
+
+    def __init__(self, ema_decay: float | None, fixed_lambda: float | None) -> None:
         super().__init__()
-        self.coefficient_kwargs = ais_coefficient_kwargs(
-            c, kappa, alpha, beta, lambda_min, lambda_max, eps, use_reliability, use_severity, use_variance
-        )
-        if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be None or in [0, 1), got {ema_decay}")
-        if fixed_lambda is not None and not 0.0 <= fixed_lambda <= 1.0:
-            raise ValueError(f"fixed_lambda must be None or in [0, 1], got {fixed_lambda}")
-        self.c = float(c)
+        if ema_decay is not None and (
+            isinstance(ema_decay, bool)
+            or not isinstance(ema_decay, (int, float))
+            or not 0.0 <= ema_decay < 1.0
+        ):
+            raise ValueError(f"ema_decay must be None or in [0, 1), got {ema_decay!r}")
+        if fixed_lambda is not None:
+            fixed_lambda = check_unit_interval(fixed_lambda, "fixed_lambda")
         self.ema_decay = None if ema_decay is None else float(ema_decay)
-        self.fixed_lambda = None if fixed_lambda is None else float(fixed_lambda)
-        self.stat_c_high = self.c
-        self.stat_c_low = 1.0 / self.c
+        self.fixed_lambda = fixed_lambda
         # EMA state: registered even without EMA so that state_dict keys do not depend on options.
         self.register_buffer("ema_lambda", torch.zeros((), dtype=torch.float32))
         self.register_buffer("ema_steps", torch.zeros((), dtype=torch.long))
 
-    def _smoothed_lambda(self, coef: dict[str, torch.Tensor]) -> torch.Tensor:
-        """lambda after the optional EMA over lambda_raw and the [lambda_min, lambda_max] clamp."""
-        raw = coef["lambda_raw"]
+    def base_weights(self, delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b, clipped)``: the weighted end's float32 token weights and the tokens it clips.  # [B, T]"""
+        raise NotImplementedError
+
+    def statistics(
+        self,
+        delta: torch.Tensor,
+        mask: torch.Tensor,
+        base: torch.Tensor,
+        advantages: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The float64 vector of sums over this rank's valid tokens.  # [K]"""
+        raise NotImplementedError
+
+    def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """lambda (clamped, no EMA), lambda_raw and the diagnostics from summed statistics."""
+        raise NotImplementedError
+
+    def applied_lambda(self, coef: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``fixed_lambda``, else the EMA of lambda_raw clamped to [lambda_min, lambda_max], else lambda."""
+        if self.fixed_lambda is not None:
+            return torch.full_like(coef["lambda"], self.fixed_lambda)
         if self.ema_decay is None:
             return coef["lambda"]
+        raw = coef["lambda_raw"]
         previous = self.ema_lambda.to(raw.dtype)
         ema = torch.where(self.ema_steps > 0, self.ema_decay * previous + (1.0 - self.ema_decay) * raw, raw)
         if self.training:
             self.ema_lambda.copy_(ema)
             self.ema_steps.add_(1)
-        return ema.clamp(self.coefficient_kwargs["lambda_min"], self.coefficient_kwargs["lambda_max"])
+        return ema.clamp(self.params.lambda_min, self.params.lambda_max)
 
     def correct(
         self,
@@ -290,30 +220,282 @@ class AIS(Corrector):
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
     ) -> RawCorrection:
-        stats = ais_sufficient_statistics(delta, mask, self.c, advantages=advantages, entropy=entropy)  # [K]
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        coef = ais_coefficient(stats, **self.coefficient_kwargs)
-        if self.fixed_lambda is not None:
-            lam = torch.full_like(coef["lambda"], self.fixed_lambda)
-        else:
-            lam = self._smoothed_lambda(coef)
+        base, clipped = self.base_weights(delta, mask)  # [B, T] float32, [B, T] bool
+        stats = all_reduce_sum(self.statistics(delta, mask, base, advantages, entropy))  # [K]
+        coef = self.coefficient(stats)
+        lam = self.applied_lambda(coef)
         lam32 = lam.float()
-        w = torch.exp(delta)  # [B, T]
-        w_c = w.clamp(max=self.c)  # [B, T]
-        weights = (1.0 - lam32) + lam32 * w_c  # [B, T]
-        clipped = mask & (w > self.c) & (lam32 > 0)
-        extra = {
-            "ais/lambda": lam,
-            "ais/lambda_raw": coef["lambda_raw"],
-            "ais/reliability": coef["reliability"],
-            "ais/severity": coef["severity"],
-            "ais/variance_factor": coef["variance_factor"],
-            "ais/kl_k3": coef["kl_k3"],
-            "ais/entropy": coef["entropy"],
-        }
-        return RawCorrection(weights, mask, clipped, extra)
+        weights = (1.0 - lam32) + lam32 * base  # [B, T]
+        extra = {"ais/lambda": lam, **{f"ais/{k}": coef[k] for k in self.logged}}
+        return RawCorrection(weights, mask, clipped & mask & (lam32 > 0), extra)
 
     def extra_repr(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.coefficient_kwargs.items())
-        return f"c={self.c}, {opts}, ema_decay={self.ema_decay}, fixed_lambda={self.fixed_lambda}"
+        opts = ", ".join(
+            f"{f.name}={getattr(self.params, f.name)!r}" for f in dataclasses.fields(self.params)
+        )
+        return f"{opts}, ema_decay={self.ema_decay}, fixed_lambda={self.fixed_lambda}"
+
+
+# ----------------------------------------------------------------------------- v2
+
+
+@dataclasses.dataclass(frozen=True)
+class AISParams:
+    """The parameters of the v2 coefficient, validated. Built by ``AIS`` (whose signature holds the
+    defaults; ``ais_params(**overrides)`` gives them without a corrector) and shared with
+    ``ais_lightning.diagnostics.AISCoefficient``. See ``AIS`` for the meaning of each field."""
+
+    c: float
+    base: str
+    c_low: float | None
+    noise_to_signal: float
+    use_entropy: bool
+    use_reliability: bool
+    lambda_min: float
+    lambda_max: float
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise the validated values once
+        set_(self, "c", check_truncation(self.c))
+        if self.base not in BASES:
+            raise ValueError(f"base must be one of {BASES}, got {self.base!r}")
+        if self.c_low is not None:
+            low = self.c_low
+            if isinstance(low, bool) or not isinstance(low, (int, float)) or not 0.0 <= low <= 1.0:
+                raise ValueError(f"c_low must be None or in [0, 1] (the ratio 1 stays in range), got {low!r}")
+            set_(self, "c_low", float(low))
+        phi = self.noise_to_signal
+        if (
+            isinstance(phi, bool)
+            or not isinstance(phi, (int, float))
+            or not (math.isfinite(phi) and phi >= 0)
+        ):
+            raise ValueError(f"noise_to_signal must be a finite number >= 0, got {phi!r}")
+        set_(self, "noise_to_signal", float(phi))
+        check_flag(self.use_entropy, "use_entropy")
+        check_flag(self.use_reliability, "use_reliability")
+        lo, hi = check_lambda_bounds(self.lambda_min, self.lambda_max)
+        set_(self, "lambda_min", lo)
+        set_(self, "lambda_max", hi)
+
+    @property
+    def lower(self) -> float | None:
+        """The lower bound of the base weight: ``c_low`` (TIS: None = none; MIS: None = 1/C)."""
+        if self.c_low is None and self.base == "mis":
+            return 1.0 / self.c
+        return self.c_low
+
+
+def ais_base_weights(
+    delta: torch.Tensor, mask: torch.Tensor, params: AISParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b, clipped)``: the base weights b_t (float32, 0 on masked tokens) and where they differ from w.
+
+    ``tis``: b = clamp(w, c_low, C) (as ``TIS(level="token")``); ``mis``: b = w inside
+    [c_low, C] and 0 outside (as ``MIS(level="token")``'s weights, the rejected tokens staying in
+    the mask with weight 1 - lambda).  # [B, T], [B, T]
+    """
+    w = torch.where(mask, torch.exp(delta.float()), torch.zeros_like(delta, dtype=torch.float32))  # [B, T]
+    lower = params.lower
+    if params.base == "tis":
+        base = w.clamp(min=lower, max=params.c)
+        clipped = w > params.c if lower is None else (w > params.c) | (w < lower)
+    else:
+        clipped = (w > params.c) | (w < lower)
+        base = torch.where(clipped, torch.zeros_like(w), w)
+    return base, clipped & mask
+
+
+def ais_sufficient_statistics(
+    delta: torch.Tensor,
+    mask: torch.Tensor,
+    base: torch.Tensor,
+    advantages: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sums over valid tokens and responses from which ``ais_coefficient`` computes lambda.  # [K] float64
+
+    Args:
+        delta: ``[B, T]`` clamped log-ratio log pi - log mu (``ops.log_ratio``).
+        mask: ``[B, T]`` bool, True on valid tokens.
+        base: ``[B, T]`` base weights b_t (``ais_base_weights``).
+        advantages: optional ``[B]`` (broadcast to tokens) or ``[B, T]`` advantages.
+        entropy: optional ``[B, T]`` trainer token entropy in nats.
+
+    Returns the float64 vector named by ``AIS_STATISTICS``. The sum of the vectors of disjoint
+    batches (or ranks) is the vector of their union (responses are never split across ranks).
+    """
+    ops.check_mask(mask)
+    for name, x in (("delta", delta), ("base", base)):
+        if x.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
+    k3 = k3_per_token(delta)  # [B, T]
+    n_tok = mask.sum().double()
+    resp_k3 = ops.masked_sum(k3, mask, dim=-1)  # [B]
+    resp_len = mask.sum(dim=-1).double()  # [B]
+    dev_sq = (base.detach().double() - 1.0).square()  # [B, T]
+    zero = torch.zeros_like(n_tok)
+    parts = [
+        n_tok,
+        (resp_len > 0).sum().double(),
+        ops.masked_sum(k3, mask),
+        resp_k3.square().sum(),
+        (resp_k3 * resp_len).sum(),
+        resp_len.square().sum(),
+    ]
+    if entropy is not None:
+        spread = -torch.expm1(-entropy.detach().double().clamp(min=0.0))  # [B, T], 1 - exp(-H)
+        parts += [ops.masked_sum(spread, mask), n_tok]
+    else:
+        parts += [zero, zero]
+    if advantages is not None:
+        a_sq = token_advantages(advantages, mask.shape).square()  # [B, T]
+        parts += [ops.masked_sum(a_sq, mask), ops.masked_sum(dev_sq * a_sq, mask), n_tok]
+    else:
+        parts += [zero, zero, zero]
+    parts.append(ops.masked_sum(dev_sq, mask))
+    return torch.stack(parts)
+
+
+def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.Tensor]:
+    """lambda and its components from summed sufficient statistics (see the module docstring).
+
+    Returns 0-dim float64 tensors keyed by ``AIS_COMPONENTS``: ``lambda`` (clamped, no EMA),
+    ``lambda_raw`` (the MSE minimiser in [0, 1]), ``severity`` beta (as used: 2 D without entropy or
+    with ``use_entropy=False``), ``reliability`` R (as measured, also when switched off),
+    ``variance_amplification`` V = 1 + chi2_A, ``bias_sq`` = R beta^2 (beta^2 when R is switched
+    off), ``variance_excess`` = phi chi2_A, ``kl_k3`` D, ``kl_k3_se`` se(D) and ``spread`` G (as
+    measured, 1 without entropy). Nothing valid: lambda = lambda_min and every value finite.
+    """
+    if stats.shape != (NUM_AIS_STATISTICS,):
+        raise ValueError(
+            f"stats must have shape [{NUM_AIS_STATISTICS}] (AIS_STATISTICS), got {tuple(stats.shape)}"
+        )
+    (
+        n,
+        n_resp,
+        sum_k3,
+        resp_k3_sq,
+        resp_k3_len,
+        resp_len_sq,
+        sum_spread,
+        n_ent,
+        sum_a2,
+        sum_dev_a2,
+        n_adv,
+        sum_dev,
+    ) = stats.double().unbind()
+    zero, one = torch.zeros_like(n), torch.ones_like(n)
+
+    kl = safe_ratio(sum_k3, n, zero).clamp(min=0.0)  # D
+    # Response-clustered variance of the ratio estimator D = sum k3 / N (responses are the
+    # independent units; tokens of one response are not), with the S / (S - 1) small-sample factor.
+    resid = (resp_k3_sq - 2.0 * kl * resp_k3_len + kl.square() * resp_len_sq).clamp(min=0.0)
+    kl_var = safe_ratio(n_resp * resid, (n_resp - 1.0).clamp(min=0.0) * n.square(), zero)
+    reliability = torch.where(
+        (n_resp >= 2) & (kl > 0), (1.0 - safe_ratio(kl_var, kl.square(), one)).clamp(0.0, 1.0), zero
+    )
+    spread = safe_ratio(sum_spread, n_ent, one).clamp(min=SPREAD_FLOOR, max=1.0)  # G
+    severity = 2.0 * kl / (spread if params.use_entropy else one)  # beta
+    bias_sq = severity.square() * (reliability if params.use_reliability else one)
+    use_adv = (n_adv > 0) & (sum_a2 > 0)
+    chi2 = torch.where(use_adv, safe_ratio(sum_dev_a2, sum_a2, zero), safe_ratio(sum_dev, n, zero))
+    variance_excess = params.noise_to_signal * chi2
+    lambda_raw = safe_ratio(bias_sq, bias_sq + variance_excess, zero).clamp(0.0, 1.0)
+    return {
+        "lambda": lambda_raw.clamp(params.lambda_min, params.lambda_max),
+        "lambda_raw": lambda_raw,
+        "severity": severity,
+        "reliability": reliability,
+        "variance_amplification": 1.0 + chi2,
+        "bias_sq": bias_sq,
+        "variance_excess": variance_excess,
+        "kl_k3": kl,
+        "kl_k3_se": kl_var.sqrt(),
+        "spread": spread,
+    }
+
+
+class AIS(MixingCorrector):
+    """Adaptive IS v2: weight (1 - lambda) + lambda b_t, lambda = R beta^2 / (R beta^2 + phi chi2_A).
+
+    One lambda per batch minimises the estimated mean squared error of the mixed gradient: the
+    squared bias of the uncorrected gradient (divergence severity beta, measured against the
+    policy's own spread, times the weight reliability R) against the extra variance of the weighted
+    one (variance amplification V = 1 + chi2_A). Formulas in the module docstring, derivation and
+    assumptions in ``docs/ais.md``. If ``torch.distributed`` is initialized the sufficient statistics
+    are all-reduced (SUM) first, so every rank uses the lambda of the global batch; every rank must
+    then call the corrector. Pass ``advantages`` and ``entropy`` (the trainer's, in nats): without
+    entropy the spread is taken as 1 (the least severe reading), without advantages the variance
+    is unweighted.
+
+    Args:
+        c: upper bound C >= 1 of the base weight (TIS truncation, MIS acceptance).
+        base: the weighted end, ``"tis"`` (b = min(w, C); the default: every token keeps the same
+            place in the loss for every lambda, so the mix is linear in lambda as the MSE argument
+            assumes) or ``"mis"`` (b = w inside [c_low, C], else 0; rejected tokens keep weight
+            1 - lambda and stay in the loss's denominator).
+        c_low: lower bound of the base weight in [0, 1]: TIS clamps below it (None: no bound), MIS
+            rejects below it (None: 1/C).
+        noise_to_signal: phi >= 0, the batch gradient's variance over its squared norm,
+            tr(Sigma) / (B |g|^2) = B_noise / B (McCandlish et al. 2018, arXiv 1812.06162). 1 = the
+            batch is at its critical size; 0 ignores the variance (lambda = 1 whenever beta > 0).
+        use_entropy: measure the severity against the policy's spread G (False: G = 1).
+        use_reliability: multiply beta^2 by the reliability R (False: R = 1).
+        lambda_min: lower clamp of lambda, in [0, 1].
+        lambda_max: upper clamp of lambda, in [lambda_min, 1].
+        ema_decay: None, or a float in [0, 1): EMA of lambda_raw over steps (``MixingCorrector``).
+        fixed_lambda: None, or a float in [0, 1] that forces lambda (ablations, tests).
+
+    Extra stats ``ais/<key>`` for every key of ``AIS_COMPONENTS`` (``ais/lambda`` is the applied
+    value, after ``fixed_lambda`` or the EMA).
+    """
+
+    logged = AIS_COMPONENTS[1:]
+
+    def __init__(
+        self,
+        *,
+        c: float = 2.0,
+        base: str = "tis",
+        c_low: float | None = None,
+        noise_to_signal: float = 1.0,
+        use_entropy: bool = True,
+        use_reliability: bool = True,
+        lambda_min: float = 0.0,
+        lambda_max: float = 1.0,
+        ema_decay: float | None = None,
+        fixed_lambda: float | None = None,
+    ) -> None:
+        super().__init__(ema_decay, fixed_lambda)
+        self.params = AISParams(
+            c=c,
+            base=base,
+            c_low=c_low,
+            noise_to_signal=noise_to_signal,
+            use_entropy=use_entropy,
+            use_reliability=use_reliability,
+            lambda_min=lambda_min,
+            lambda_max=lambda_max,
+        )
+
+    def base_weights(self, delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ais_base_weights(delta, mask, self.params)
+
+    def statistics(
+        self,
+        delta: torch.Tensor,
+        mask: torch.Tensor,
+        base: torch.Tensor,
+        advantages: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return ais_sufficient_statistics(delta, mask, base, advantages=advantages, entropy=entropy)
+
+    def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
+        return ais_coefficient(stats, self.params)
+
+
+def ais_params(**overrides: Any) -> AISParams:
+    """The ``AISParams`` that ``AIS(**overrides)`` uses (its defaults for everything not given)."""
+    return AIS(**overrides).params

@@ -79,12 +79,17 @@ def level_ratio(delta: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Te
 class Corrector(nn.Module):
     """Base class: validates inputs, computes ``delta``, calls ``correct`` and assembles the stats.
 
-    Subclasses implement ``correct``. Everything runs without grad; weights come back detached
+    Subclasses implement ``correct``; one whose rule needs the absolute log-probs (not only their
+    ratio) sets ``needs_logprobs = True`` and gets them as ``correct(..., logprobs=(train, rollout))``.
+    Everything runs without grad; weights come back detached
     (verl #4105). ``stats`` say what the corrector did (``corrector/clipped_frac``,
     ``corrector/masked_frac``, ``corrector/weight_mean``) plus its own diagnostics; the raw ratio
     statistics (mean, min, max, fractions beyond a bound) are the diagnostics' job
     (``ais_lightning.diagnostics.MismatchDiagnostics``), computed from the same ``delta``.
     """
+
+    needs_logprobs: bool = False
+    """Whether ``correct`` needs ``logprobs=(train_logprobs, rollout_logprobs)`` besides ``delta``."""
 
     def correct(
         self,
@@ -117,7 +122,14 @@ class Corrector(nn.Module):
             train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
         )
         delta = ops.log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T] float32
-        return self.from_log_ratio(delta, mask, advantages=advantages, entropy=entropy)
+        return self.from_log_ratio(
+            delta,
+            mask,
+            advantages=advantages,
+            entropy=entropy,
+            train_logprobs=train_logprobs,
+            rollout_logprobs=rollout_logprobs,
+        )
 
     def from_log_ratio(
         self,
@@ -125,14 +137,26 @@ class Corrector(nn.Module):
         mask: torch.Tensor,
         advantages: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        train_logprobs: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
     ) -> CorrectionOutput:
         """Correct one batch from an already validated log-ratio (no input checks).
 
         ``delta`` is ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)`` (``[B, T]``, clamped,
         0 on masked tokens): a caller that feeds the same batch to the diagnostics computes it once.
+        ``train_logprobs``/``rollout_logprobs`` are needed only by correctors with ``needs_logprobs``
+        (a rule on probabilities, not their ratio); pass them whenever you have them.
         """
+        extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.needs_logprobs:
+            if train_logprobs is None or rollout_logprobs is None:
+                raise ValueError(
+                    f"train_logprobs and rollout_logprobs are required by {type(self).__name__} "
+                    "(its rule is on the probabilities, not only their ratio)"
+                )
+            extra["logprobs"] = (train_logprobs.detach(), rollout_logprobs.detach())
         with torch.no_grad():
-            raw = self.correct(delta, mask, advantages, entropy)
+            raw = self.correct(delta, mask, advantages, entropy, **extra)
             keep = raw.keep & mask  # [B, T]
             weights = torch.where(keep, raw.weights.float(), torch.zeros_like(delta))  # [B, T]
             n = mask.sum().clamp(min=1).float()

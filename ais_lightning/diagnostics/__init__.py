@@ -14,17 +14,26 @@ from ais_lightning.diagnostics.mismatch import (
     PerplexityRatio,
     RatioStatistic,
 )
+from ais_lightning.diagnostics.perplexity import LogPerplexityDiff, SequencePerplexity
+from ais_lightning.diagnostics.psis import PSISKHat
+from ais_lightning.diagnostics.weights import AbsLogRatio, ClippedRatioMoment, SequenceRatioStatistic
 
 __all__ = [
     "AISCoefficient",
+    "AbsLogRatio",
     "ChiSquare",
+    "ClippedRatioMoment",
     "CorrectionFraction",
     "EffectiveSampleSize",
     "ErrorTokenRate",
+    "LogPerplexityDiff",
     "MismatchDiagnostics",
     "MismatchKL",
+    "PSISKHat",
     "PerplexityRatio",
     "RatioStatistic",
+    "SequencePerplexity",
+    "SequenceRatioStatistic",
     "TokenEntropy",
     "repeat_token_mask",
 ]

@@ -1,69 +1,67 @@
-"""AISCoefficient: the AIS mixing coefficient lambda (or one of its components) as a torchmetrics Metric.
+"""The AIS mixing coefficient lambda (or one of its components) as a torchmetrics Metric.
 
-The state is the vector of AIS sufficient statistics (``ais_sufficient_statistics``), sum-reduced,
-so the value over several batches (and across DDP/FSDP ranks) equals AIS on their concatenation.
-Formulation: design.md section 4, after AIS (arXiv 2605.13907).
+``AISCoefficient`` computes AIS v2 (``ais_lightning.correctors.AIS``), ``AISv1Coefficient`` the first
+formulation (``AISv1``). The state is the vector of the corrector's sufficient statistics,
+sum-reduced, so the value over several batches (and across DDP/FSDP ranks) equals the corrector's
+lambda on their concatenation (without the corrector's EMA or ``fixed_lambda``). Derivation:
+``docs/ais.md``; AIS itself: arXiv 2605.13907.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torchmetrics import Metric
 
 from ais_lightning import ops
 from ais_lightning.correctors.ais import (
+    AIS_COMPONENTS,
     NUM_AIS_STATISTICS,
+    AISParams,
+    ais_base_weights,
     ais_coefficient,
-    ais_coefficient_kwargs,
+    ais_params,
     ais_sufficient_statistics,
 )
+from ais_lightning.correctors.ais_v1 import (
+    AIS_V1_COMPONENTS,
+    NUM_AIS_V1_STATISTICS,
+    AISv1Params,
+    ais_v1_coefficient,
+    ais_v1_params,
+    ais_v1_sufficient_statistics,
+)
 
-AIS_COMPONENTS = ("lambda", "reliability", "severity", "variance_factor")
-"""Values ``AISCoefficient(component=...)`` can compute."""
+V1_COMPONENTS = ("lambda", "reliability", "severity", "variance_factor")
+"""Values ``AISv1Coefficient(component=...)`` can compute."""
 
 
-class AISCoefficient(Metric):
-    """lambda = clamp(s R^alpha v^beta, lambda_min, lambda_max) over everything it was updated with.
-
-    Args:
-        component: ``"lambda"`` (clamped, no EMA), ``"reliability"`` R, ``"severity"`` s or
-            ``"variance_factor"`` v.
-        c, kappa, alpha, beta, lambda_min, lambda_max, eps, use_reliability, use_severity,
-            use_variance: as in ``ais_lightning.correctors.AIS``.
-    """
+class _SummedStatisticMetric(Metric):
+    """One sum-reduced float64 vector of sufficient statistics; ``compute`` returns one component."""
 
     full_state_update = False
     is_differentiable = False
     higher_is_better = None
 
     stats: torch.Tensor
+    components: tuple[str, ...] = ()
 
-    def __init__(
-        self,
-        component: str = "lambda",
-        c: float = 2.0,
-        kappa: float = 1.0,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        lambda_min: float = 0.0,
-        lambda_max: float = 1.0,
-        eps: float = 1e-6,
-        use_reliability: bool = True,
-        use_severity: bool = True,
-        use_variance: bool = True,
-        **kwargs,
-    ) -> None:
+    def __init__(self, component: str, size: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if component not in AIS_COMPONENTS:
-            raise ValueError(f"component must be one of {AIS_COMPONENTS}, got {component!r}")
+        if component not in self.components:
+            raise ValueError(f"component must be one of {self.components}, got {component!r}")
         self.component = component
-        self.c = float(c)
-        self.coefficient_kwargs = ais_coefficient_kwargs(
-            c, kappa, alpha, beta, lambda_min, lambda_max, eps, use_reliability, use_severity, use_variance
-        )
-        self.add_state(
-            "stats", default=torch.zeros(NUM_AIS_STATISTICS, dtype=torch.float64), dist_reduce_fx="sum"
-        )
+        self.add_state("stats", default=torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def _batch_statistics(
+        self,
+        delta: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def update(
         self,
@@ -72,15 +70,81 @@ class AISCoefficient(Metric):
         mask: torch.Tensor,
         advantages: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        log_ratio: torch.Tensor | None = None,
     ) -> None:
-        """Accumulate the sufficient statistics of one batch (same arguments as a corrector call)."""
-        ops.check_logprob_inputs(
-            train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
-        )
-        delta = ops.log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T]
-        batch = ais_sufficient_statistics(delta, mask, self.c, advantages=advantages, entropy=entropy)  # [K]
+        """Accumulate the sufficient statistics of one batch (same arguments as a corrector call).
+
+        ``log_ratio``: optional precomputed ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)``;
+        the caller has then validated the inputs (nothing is re-validated).
+        """
+        if log_ratio is None:
+            ops.check_logprob_inputs(
+                train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
+            )
+            log_ratio = ops.log_ratio(train_logprobs, rollout_logprobs, mask)
+        batch = self._batch_statistics(log_ratio.float(), mask, advantages, entropy)  # [K]
         self.stats += batch.to(self.stats.dtype)
+
+
+class AISCoefficient(_SummedStatisticMetric):
+    """AIS v2's lambda = R beta^2 / (R beta^2 + phi chi2_A) (or a component) over everything seen.
+
+    Args:
+        component: one of ``AIS_COMPONENTS``: ``"lambda"`` (clamped, no EMA), ``"lambda_raw"``,
+            ``"severity"`` beta, ``"reliability"`` R, ``"variance_amplification"`` V,
+            ``"bias_sq"``, ``"variance_excess"``, ``"kl_k3"``, ``"kl_k3_se"``, ``"spread"`` G.
+        params: the coefficient's parameters, e.g. ``ais_params(c=1.5)`` or ``AIS(...).params``;
+            None = ``AIS()``'s defaults.
+        kwargs: torchmetrics ``Metric`` options (e.g. ``sync_on_compute``).
+    """
+
+    components = AIS_COMPONENTS
+
+    def __init__(self, component: str = "lambda", params: AISParams | None = None, **kwargs: Any) -> None:
+        super().__init__(component, NUM_AIS_STATISTICS, **kwargs)
+        if params is not None and not isinstance(params, AISParams):
+            raise ValueError(
+                f"params must be an AISParams (ais_params(...)) or None, got {type(params).__name__}"
+            )
+        self.params = ais_params() if params is None else params
+
+    def _batch_statistics(self, delta, mask, advantages, entropy) -> torch.Tensor:
+        base, _ = ais_base_weights(delta, mask, self.params)  # [B, T]
+        return ais_sufficient_statistics(delta, mask, base, advantages=advantages, entropy=entropy)
 
     def compute(self) -> torch.Tensor:
         """The chosen component from the accumulated sums (0-dim float64)."""
-        return ais_coefficient(self.stats, **self.coefficient_kwargs)[self.component]
+        return ais_coefficient(self.stats, self.params)[self.component]
+
+
+class AISv1Coefficient(_SummedStatisticMetric):
+    """AIS v1's lambda = clamp(s R^alpha v^beta, lambda_min, lambda_max) (or a component) over everything seen.
+
+    Args:
+        component: ``"lambda"`` (clamped, no EMA), ``"reliability"`` R, ``"severity"`` s or
+            ``"variance_factor"`` v.
+        params: e.g. ``ais_v1_params(c=1.5, kappa=0.1)``; None = ``AISv1()``'s defaults.
+        kwargs: torchmetrics ``Metric`` options.
+    """
+
+    components = V1_COMPONENTS
+
+    def __init__(self, component: str = "lambda", params: AISv1Params | None = None, **kwargs: Any) -> None:
+        super().__init__(component, NUM_AIS_V1_STATISTICS, **kwargs)
+        if params is not None and not isinstance(params, AISv1Params):
+            raise ValueError(
+                f"params must be an AISv1Params (ais_v1_params(...)) or None, got {type(params).__name__}"
+            )
+        self.params = ais_v1_params() if params is None else params
+
+    def _batch_statistics(self, delta, mask, advantages, entropy) -> torch.Tensor:
+        return ais_v1_sufficient_statistics(
+            delta, mask, self.params.c, advantages=advantages, entropy=entropy
+        )
+
+    def compute(self) -> torch.Tensor:
+        """The chosen component from the accumulated sums (0-dim float64)."""
+        return ais_v1_coefficient(self.stats, self.params)[self.component]
+
+
+__all__ = ["AISCoefficient", "AISv1Coefficient", "AIS_COMPONENTS", "AIS_V1_COMPONENTS", "V1_COMPONENTS"]

@@ -7,6 +7,7 @@ the asymmetric clip of DAPO (Yu et al. 2025, arXiv 2503.14476), per valid token:
     pg = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
     pg = min(pg, -dual_clip * A)            if A < 0 and dual_clip is set
     loss = agg(weights * pg) + kl_coef * agg(k3(pi_theta, ref)) - entropy_coef * agg(entropy)
+           + mismatch_penalty_coef * agg((log pi_theta - log mu)^2)      (prime-rl's penalty, off by default)
 
 Dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL" (arXiv 1912.09729);
 verl's ``clip_ratio_c``. It bounds the loss of a negative-advantage token whose ratio has exploded.
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ais_lightning.losses.penalties import squared_log_ratio_penalty
 from ais_lightning.ops import LOG_RATIO_CLAMP, check_mask, check_token_tensor, masked_mean, masked_sum
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -142,6 +144,9 @@ class GRPOLoss(nn.Module):
         aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``.
         max_response_length: the constant normalizer of ``seq-mean-token-sum-norm``.
         mode: ``decoupled`` or ``bypass`` (see the module docstring).
+        mismatch_penalty_coef: weight of prime-rl's penalty ``(log pi_theta - log mu)^2`` on every token of
+            ``mask`` (``ais_lightning.losses.penalties``; prime-rl's default is 1e-3, used with
+            ``DPPOMask``); >= 0, needs ``rollout_logprobs`` when > 0.
 
     Stats (floats): ``loss/pg_loss``, ``loss/kl`` and ``loss/entropy`` are aggregated like the loss
     (with ``denominator`` they are this call's share: sum them over micro-batches), so
@@ -160,6 +165,7 @@ class GRPOLoss(nn.Module):
         aggregation: str = "token-mean",
         max_response_length: int | None = None,
         mode: str = "decoupled",
+        mismatch_penalty_coef: float = 0.0,
     ) -> None:
         super().__init__()
         if not (0.0 <= epsilon_low <= 1.0):
@@ -184,6 +190,10 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"max_response_length must be a positive int, got {max_response_length!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not (0.0 <= mismatch_penalty_coef < math.inf):
+            raise ValueError(
+                f"mismatch_penalty_coef must be a finite value >= 0, got {mismatch_penalty_coef}"
+            )
         self.epsilon_low = float(epsilon_low)
         self.epsilon_high = float(epsilon_high)
         self.dual_clip = None if dual_clip is None else float(dual_clip)
@@ -192,12 +202,14 @@ class GRPOLoss(nn.Module):
         self.aggregation = aggregation
         self.max_response_length = max_response_length
         self.mode = mode
+        self.mismatch_penalty_coef = float(mismatch_penalty_coef)
 
     def extra_repr(self) -> str:
         return (
             f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, dual_clip={self.dual_clip}, "
             f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}, aggregation={self.aggregation!r}, "
-            f"max_response_length={self.max_response_length}, mode={self.mode!r}"
+            f"max_response_length={self.max_response_length}, mode={self.mode!r}, "
+            f"mismatch_penalty_coef={self.mismatch_penalty_coef}"
         )
 
     @property
@@ -214,7 +226,9 @@ class GRPOLoss(nn.Module):
     def own_correction(self) -> str | None:
         """How the loss handles the rollout mismatch itself (then it takes no IS weights), or None."""
         if self.mode == "bypass":
-            return "loss.mode=bypass uses pi_old := mu (the clipped ratio pi_theta/mu is the importance ratio)"
+            return (
+                "loss.mode=bypass uses pi_old := mu (the clipped ratio pi_theta/mu is the importance ratio)"
+            )
         return None
 
     def _aggregate(self, x: torch.Tensor, mask: torch.Tensor, denominator) -> torch.Tensor:
@@ -306,6 +320,16 @@ class GRPOLoss(nn.Module):
             stats["loss/kl"] = kl.item()
             if self.kl_coef > 0:
                 loss = loss + self.kl_coef * kl
+        if self.mismatch_penalty_coef > 0:
+            if rollout_logprobs is None:
+                raise ValueError(
+                    f"rollout_logprobs is required when mismatch_penalty_coef={self.mismatch_penalty_coef}"
+                )
+            penalty = self._aggregate(
+                squared_log_ratio_penalty(logp, rollout_logprobs, mask), mask, denominator
+            )
+            stats["loss/mismatch_penalty"] = penalty.item()
+            loss = loss + self.mismatch_penalty_coef * penalty
         if entropy is not None:
             ent = self._aggregate(clean(entropy), mask, denominator)
             stats["loss/entropy"] = ent.item()

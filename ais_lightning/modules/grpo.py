@@ -325,7 +325,14 @@ class GRPOModule(LightningModule):
         self.entropy_metric.update(entropy, mask)
         self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
         self.error_metrics["low_logprob_frac"].update(train_lp, mask)
-        correction = self.corrector.from_log_ratio(delta, mask, advantages=advantages, entropy=entropy)
+        correction = self.corrector.from_log_ratio(
+            delta,
+            mask,
+            advantages=advantages,
+            entropy=entropy,
+            train_logprobs=train_lp,
+            rollout_logprobs=batch.rollout_logprobs,
+        )
         stats.update(correction.stats)
         exp = Experience(batch, rewards, advantages, train_lp, correction.weights, correction.mask & mask)
         return exp, stats

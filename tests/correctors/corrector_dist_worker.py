@@ -1,4 +1,4 @@
-"""Worker of the 2-process gloo test of AIS (imported by name in the spawned processes).
+"""Worker of the 2-process gloo test of AIS v2 and v1 (imported by name in the spawned processes).
 
 Not a test module: ``test_distributed.py`` puts this directory on ``sys.path`` so that
 ``torch.multiprocessing.spawn`` can pickle ``run`` by reference.
@@ -9,10 +9,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ais_lightning.correctors import AIS
+from ais_lightning.correctors import AIS, AISv1
 
 SCENARIOS = ("uneven", "one_rank_empty")
-AIS_KWARGS = dict(c=1.5, kappa=0.5, alpha=1.5, beta=0.7, ema_decay=0.5)
+CORRECTORS = {
+    "ais": (AIS, dict(c=1.5, noise_to_signal=0.5, ema_decay=0.5)),
+    "ais_mis": (AIS, dict(base="mis", c=1.5, c_low=0.6)),
+    "ais_v1": (AISv1, dict(c=1.5, kappa=0.5, alpha=1.5, beta=0.7, ema_decay=0.5)),
+}
+"""Name -> (class, kwargs) of every corrector the test runs on both ranks."""
 LENGTH = 6
 
 
@@ -35,12 +40,13 @@ def make_shard(scenario: str, rank: int, step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def run_steps(scenario: str, shards_of_step) -> list[dict]:
-    """Two AIS steps (the second goes through the EMA); returns weights and stats per step."""
-    ais = AIS(**AIS_KWARGS)
+def run_steps(name: str, shards_of_step) -> list[dict]:
+    """Two steps of corrector ``name`` (the second goes through the EMA); weights and stats per step."""
+    cls, kwargs = CORRECTORS[name]
+    corrector = cls(**kwargs)
     results = []
     for step in range(2):
-        out = ais(**shards_of_step(step))
+        out = corrector(**shards_of_step(step))
         results.append({"weights": out.weights, "stats": out.stats})
     return results
 
@@ -50,7 +56,8 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         results = {
-            scenario: run_steps(scenario, lambda step, s=scenario: make_shard(s, rank, step))
+            (name, scenario): run_steps(name, lambda step, s=scenario: make_shard(s, rank, step))
+            for name in CORRECTORS
             for scenario in SCENARIOS
         }
         torch.save(results, f"{out_dir}/rank{rank}.pt")

@@ -1,184 +1,377 @@
-"""AIS on hand-computed examples: lambda, each component, switches, clamps, EMA and its state_dict.
+"""AIS v2 on hand-computed examples: every diagnostic, lambda, the limits, options, EMA, registry.
 
-Example A: one response, ratios w = [1, 4], C = 2, no entropy, no advantages.
-    w_C = [1, 2], N = 2
-    R = (1 + 2)^2 / (2 * (1 + 4)) = 9 / 10 = 0.9
-    D = mean(w - 1 - ln w) = (0 + (4 - 1 - ln 4)) / 2 = (3 - 1.3862944) / 2 = 0.8068528
-    s = 1 - exp(-D / (1 * (1 + 1e-6))) = 1 - exp(-0.8068520) = 0.5537393   (H = 1 when not given)
-    V = E[w_C^2] = (1 + 4) / 2 = 2.5, v = min(1, 1 / 2.5) = 0.4
-    lambda = s R v = 0.5537393 * 0.9 * 0.4 = 0.1993462
-    weights = (1 - lambda) + lambda w_C = [1, 1 + lambda] = [1, 1.1993462]
+Example B: two responses of two valid tokens (a third, padded token in response 1), C = 2,
+token entropy H = ln 2 everywhere, advantages A = +1 (response 0) and -1 (response 1).
+    w   = [1, 4] | [0.5, 1]           b = min(w, 2) = [1, 2] | [0.5, 1]
+    k3  = w - 1 - ln w = [0, 3 - ln 4] | [ln 2 - 0.5, 0] = [0, 1.6137056] | [0.1931472, 0]
+    N = 4, S = 2 responses, n_s = 2, K_0 = 1.6137056, K_1 = 0.1931472
+    D   = (K_0 + K_1) / N = 1.8068528 / 4 = 0.4517132
+    se^2 = S / (S - 1) * sum_s (K_s - D n_s)^2 / N^2
+         = 2 * ((1.6137056 - 0.9034264)^2 + (0.1931472 - 0.9034264)^2) / 16
+         = 2 * 2 * 0.7102792^2 / 16 = 2.0179863 / 16 = 0.1261241
+    R   = 1 - se^2 / D^2 = 1 - 0.1261241 / 0.2040448 = 0.3818802
+    G   = mean(1 - exp(-H)) = 1 - 1/2 = 0.5
+    beta = 2 D / G = 1.8068528,   bias_sq = R beta^2 = 0.3818802 * 3.2647172 = 1.2467308
+    chi2_A = sum (b - 1)^2 A^2 / sum A^2 = (0 + 1 + 0.25 + 0) / 4 = 0.3125  (A^2 = 1)
+    V = 1.3125,   variance_excess = phi chi2_A = 0.3125
+    lambda = 1.2467308 / (1.2467308 + 0.3125) = 0.7995807
+    weights = (1 - lambda) + lambda b = [1, 1 + lambda] | [1 - lambda / 2, 1]
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 
-from ais_lightning.correctors import AIS, ais_coefficient, ais_sufficient_statistics
+from ais_lightning.correctors import (
+    AIS,
+    MIS,
+    TIS,
+    AISParams,
+    AISv1,
+    NoCorrection,
+    ais_params,
+    build_corrector,
+)
+from ais_lightning.correctors.ais import (
+    AIS_COMPONENTS,
+    ais_base_weights,
+    ais_coefficient,
+    ais_sufficient_statistics,
+)
 from ais_lightning.ops import log_ratio
 
-R_A = 0.9
-D_A = (3.0 - math.log(4.0)) / 2.0
-S_A = 1.0 - math.exp(-D_A / (1.0 + 1e-6))
-V_A = 0.4
-LAMBDA_A = S_A * R_A * V_A
+LN2 = math.log(2.0)
+K0, K1 = 3.0 - math.log(4.0), LN2 - 0.5
+D_B = (K0 + K1) / 4.0
+SE2_B = 2.0 * ((K0 - 2 * D_B) ** 2 + (K1 - 2 * D_B) ** 2) / 16.0
+R_B = 1.0 - SE2_B / D_B**2
+BETA_B = 2.0 * D_B / 0.5
+BIAS_B = R_B * BETA_B**2
+CHI2_B = 0.3125
+LAMBDA_B = BIAS_B / (BIAS_B + CHI2_B)
 
 
 @pytest.fixture
-def example_a(make_logprobs):
-    return make_logprobs([[1.0, 4.0]], [[True, True]])
+def example_b(make_logprobs):
+    train, rollout, mask = make_logprobs([[1.0, 4.0, 1.0], [0.5, 1.0, 0.01]], [[1, 1, 0], [1, 1, 0]])
+    entropy = torch.full(mask.shape, LN2)
+    advantages = torch.tensor([1.0, -1.0])
+    return train, rollout, mask, advantages, entropy
 
 
 def test_hand_values_of_the_numbers_above():
     # Guard against a typo in the constants themselves.
-    assert D_A == pytest.approx(0.8068528, abs=1e-7)
-    assert S_A == pytest.approx(0.5537393, abs=1e-6)
-    assert LAMBDA_A == pytest.approx(0.1993462, abs=1e-6)
+    assert D_B == pytest.approx(0.4517132, abs=1e-7)
+    assert SE2_B == pytest.approx(0.1261241, abs=1e-7)
+    assert R_B == pytest.approx(0.3818802, abs=1e-6)
+    assert BIAS_B == pytest.approx(1.2467308, abs=1e-6)
+    assert LAMBDA_B == pytest.approx(0.7995807, abs=1e-6)
 
 
-def test_lambda_and_components_on_example_a(example_a):
-    out = AIS(c=2.0)(*example_a)
-    assert out.stats["ais/reliability"] == pytest.approx(R_A, abs=1e-6)
-    assert out.stats["ais/kl_k3"] == pytest.approx(D_A, abs=1e-6)
-    assert out.stats["ais/entropy"] == pytest.approx(1.0)
-    assert out.stats["ais/severity"] == pytest.approx(S_A, abs=1e-6)
-    assert out.stats["ais/variance_factor"] == pytest.approx(V_A, abs=1e-6)
-    assert out.stats["ais/lambda_raw"] == pytest.approx(LAMBDA_A, abs=1e-6)
-    assert out.stats["ais/lambda"] == pytest.approx(LAMBDA_A, abs=1e-6)
-    torch.testing.assert_close(out.weights, torch.tensor([[1.0, 1.0 + LAMBDA_A]]), atol=1e-6, rtol=0)
-    assert out.mask.all()
-    # w = 4 > C and lambda > 0: 1 of 2 tokens clipped; weight mean (1 + 1 + lambda) / 2.
-    assert out.stats["corrector/clipped_frac"] == pytest.approx(0.5)
-    assert out.stats["corrector/weight_mean"] == pytest.approx(1.0 + LAMBDA_A / 2, abs=1e-6)
-    # NoCorrection/AIS thresholds: above C = 2 {4}, below 1/C: none.
-    assert out.stats["ratio/frac_above_c_high"] == pytest.approx(0.5)
-    assert out.stats["ratio/frac_below_c_low"] == 0.0
+def test_every_component_and_lambda_on_example_b(example_b):
+    train, rollout, mask, adv, ent = example_b
+    out = AIS()(train, rollout, mask, advantages=adv, entropy=ent)
+    s = out.stats
+    assert s["ais/kl_k3"] == pytest.approx(D_B, rel=1e-6)
+    assert s["ais/kl_k3_se"] == pytest.approx(math.sqrt(SE2_B), rel=1e-6)
+    assert s["ais/reliability"] == pytest.approx(R_B, rel=1e-6)
+    assert s["ais/spread"] == pytest.approx(0.5, rel=1e-6)
+    assert s["ais/severity"] == pytest.approx(BETA_B, rel=1e-6)
+    assert s["ais/bias_sq"] == pytest.approx(BIAS_B, rel=1e-6)
+    assert s["ais/variance_amplification"] == pytest.approx(1.0 + CHI2_B, rel=1e-6)
+    assert s["ais/variance_excess"] == pytest.approx(CHI2_B, rel=1e-6)
+    assert s["ais/lambda_raw"] == pytest.approx(LAMBDA_B, rel=1e-6)
+    assert s["ais/lambda"] == pytest.approx(LAMBDA_B, rel=1e-6)
+    assert set(s) == {f"ais/{k}" for k in AIS_COMPONENTS} | {
+        "corrector/clipped_frac",
+        "corrector/masked_frac",
+        "corrector/weight_mean",
+    }
+    lam = LAMBDA_B
+    want = torch.tensor([[1.0, 1.0 + lam, 0.0], [1.0 - lam / 2, 1.0, 0.0]])
+    torch.testing.assert_close(out.weights, want, atol=1e-6, rtol=0)
+    assert torch.equal(out.mask, mask)
+    # w = 4 > C is the one clipped token of 4; weight mean (1 + 1 + lam + 1 - lam/2 + 1) / 4.
+    assert s["corrector/clipped_frac"] == pytest.approx(0.25)
+    assert s["corrector/weight_mean"] == pytest.approx(1.0 + lam / 8, abs=1e-6)
 
 
-def test_entropy_and_token_advantages(example_a):
-    # H = 0.5: s = 1 - exp(-D / 0.500001) = 1 - exp(-1.6137024) = 0.8008520.
-    # A = [1, -3]: V = mean((w_C A)^2) / mean(A^2) = ((1)^2 + (2 * -3)^2) / 2 / ((1 + 9) / 2) = 18.5 / 5 = 3.7.
-    train, rollout, mask = example_a
-    entropy = torch.tensor([[0.5, 0.5]])
-    advantages = torch.tensor([[1.0, -3.0]])
-    out = AIS()(train, rollout, mask, advantages=advantages, entropy=entropy)
-    s = 1.0 - math.exp(-D_A / (0.5 + 1e-6))
-    assert s == pytest.approx(0.8008520, abs=1e-6)
-    assert out.stats["ais/entropy"] == pytest.approx(0.5)
-    assert out.stats["ais/severity"] == pytest.approx(s, abs=1e-6)
-    assert out.stats["ais/variance_factor"] == pytest.approx(1 / 3.7, abs=1e-6)
-    assert out.stats["ais/lambda"] == pytest.approx(s * 0.9 / 3.7, abs=1e-6)
+def test_lambda_is_the_minimiser_of_the_estimated_mse(example_b):
+    # MSE(l) = (1 - l)^2 R beta^2 + phi (1 + l^2 chi2_A) on a fine grid: the argmin is lambda.
+    grid = torch.linspace(0, 1, 100001, dtype=torch.float64)
+    mse = (1 - grid) ** 2 * BIAS_B + (1 + grid**2 * CHI2_B)
+    assert float(grid[mse.argmin()]) == pytest.approx(LAMBDA_B, abs=1e-5)
 
 
-def test_sequence_advantages_broadcast_to_tokens(make_logprobs):
-    # Response 0: w = [1, 4] (w_C = [1, 2]), A = 1; response 1: w = [1, 1], A = 3.
-    # V = (1 + 4 + 9 + 9) / (1 + 1 + 9 + 9) = 23 / 20 = 1.15, v = 1 / 1.15.
-    train, rollout, mask = make_logprobs([[1.0, 4.0], [1.0, 1.0]], [[True, True], [True, True]])
-    per_seq = AIS()(train, rollout, mask, advantages=torch.tensor([1.0, 3.0]))
-    per_token = AIS()(train, rollout, mask, advantages=torch.tensor([[1.0, 1.0], [3.0, 3.0]]))
-    assert per_seq.stats["ais/variance_factor"] == pytest.approx(1 / 1.15, abs=1e-6)
-    assert per_seq.stats == per_token.stats
+def test_without_entropy_the_spread_is_one(example_b):
+    # G = 1: beta = 2 D = 0.9034264, bias_sq = R beta^2 = 0.3116827, lambda = 0.3116827 / 0.6241827.
+    train, rollout, mask, adv, _ = example_b
+    out = AIS()(train, rollout, mask, advantages=adv)
+    assert out.stats["ais/spread"] == 1.0
+    assert out.stats["ais/severity"] == pytest.approx(2 * D_B, rel=1e-6)
+    bias = R_B * (2 * D_B) ** 2
+    assert bias == pytest.approx(0.3116827, abs=1e-6)
+    assert out.stats["ais/lambda"] == pytest.approx(bias / (bias + CHI2_B), rel=1e-6)
+    # use_entropy=False ignores a given entropy the same way, but still reports the measured G.
+    off = AIS(use_entropy=False)(*example_b[:3], advantages=adv, entropy=example_b[4])
+    assert off.stats["ais/lambda"] == pytest.approx(out.stats["ais/lambda"], rel=1e-12)
+    assert off.stats["ais/spread"] == pytest.approx(0.5)
 
 
-def test_zero_advantages_fall_back_to_second_moment(example_a):
-    # All advantages 0 (GRPO group with equal rewards): V = E[w_C^2] = 2.5 as without advantages.
-    out = AIS()(*example_a, advantages=torch.zeros(1))
-    assert out.stats["ais/variance_factor"] == pytest.approx(V_A, abs=1e-6)
+def test_advantages_weight_the_variance(example_b):
+    # A = [2, 1] per response: A^2 = [4, 4 | 1, 1]; chi2_A = (0*4 + 1*4 + 0.25*1 + 0*1) / 10 = 0.425.
+    train, rollout, mask, _, ent = example_b
+    out = AIS()(train, rollout, mask, advantages=torch.tensor([2.0, 1.0]), entropy=ent)
+    assert out.stats["ais/variance_amplification"] == pytest.approx(1.425, rel=1e-6)
+    assert out.stats["ais/lambda"] == pytest.approx(BIAS_B / (BIAS_B + 0.425), rel=1e-6)
+    per_token = AIS()(train, rollout, mask, advantages=torch.tensor([[2.0] * 3, [1.0] * 3]), entropy=ent)
+    assert per_token.stats == out.stats
+
+
+def test_zero_or_missing_advantages_use_the_unweighted_chi2(example_b):
+    # chi2 = mean (b - 1)^2 = (0 + 1 + 0.25 + 0) / 4 = 0.3125, the value with A^2 = 1 above.
+    train, rollout, mask, _, ent = example_b
+    for adv in (None, torch.zeros(2)):
+        out = AIS()(train, rollout, mask, advantages=adv, entropy=ent)
+        assert out.stats["ais/variance_excess"] == pytest.approx(CHI2_B, rel=1e-6)
+        assert out.stats["ais/lambda"] == pytest.approx(LAMBDA_B, rel=1e-6)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"use_severity": False}, R_A * V_A),
-        ({"use_reliability": False}, S_A * V_A),
-        ({"use_variance": False}, S_A * R_A),
-        ({"use_severity": False, "use_reliability": False, "use_variance": False}, 1.0),
-        ({"alpha": 2.0, "beta": 0.5}, S_A * R_A**2 * V_A**0.5),
-        ({"kappa": 2.0}, (1.0 - math.exp(-D_A / (2.0 * (1.0 + 1e-6)))) * R_A * V_A),
+        ({"use_reliability": False}, BETA_B**2 / (BETA_B**2 + CHI2_B)),
+        ({"noise_to_signal": 4.0}, BIAS_B / (BIAS_B + 4.0 * CHI2_B)),
+        ({"noise_to_signal": 0.0}, 1.0),  # variance ignored: correct fully whenever beta > 0
+        ({"lambda_max": 0.5}, 0.5),
+        ({"lambda_min": 0.9}, 0.9),
     ],
 )
-def test_switches_and_exponents(example_a, kwargs, expected):
-    out = AIS(**kwargs)(*example_a)
-    assert out.stats["ais/lambda"] == pytest.approx(expected, abs=1e-6)
-    # The components are reported as measured even when switched off.
-    assert out.stats["ais/reliability"] == pytest.approx(R_A, abs=1e-6)
+def test_options(example_b, kwargs, expected):
+    train, rollout, mask, adv, ent = example_b
+    out = AIS(**kwargs)(train, rollout, mask, advantages=adv, entropy=ent)
+    assert out.stats["ais/lambda"] == pytest.approx(expected, rel=1e-6)
+    assert out.stats["ais/reliability"] == pytest.approx(R_B, rel=1e-6)  # reported as measured
 
 
-def test_lambda_clamps(example_a):
-    out = AIS(lambda_max=0.1)(*example_a)
-    assert out.stats["ais/lambda"] == pytest.approx(0.1)
-    assert out.stats["ais/lambda_raw"] == pytest.approx(LAMBDA_A, abs=1e-6)
-    torch.testing.assert_close(out.weights, torch.tensor([[1.0, 1.1]]))
-    assert AIS(lambda_min=0.5)(*example_a).stats["ais/lambda"] == pytest.approx(0.5)
+def test_base_mis(make_logprobs):
+    # Responses [1, 0.25] and [4, 1], C = 2, c_low = 1/C = 0.5 (MIS defaults), no advantages/entropy.
+    # b = w inside [0.5, 2] else 0: [1, 0] | [0, 1]  (0.25 and 4 rejected; TIS would give 0.25, 2).
+    # k3: [0, 0.25 - 1 + ln 4] | [3 - ln 4, 0] = [0, 0.6362944] | [1.6137056, 0];  D = 2.25 / 4 = 0.5625
+    # se^2 = 2 * ((0.6362944 - 1.125)^2 + (1.6137056 - 1.125)^2) / 16 = 2 * 2 * 0.4887056^2 / 16 = 0.0597082
+    # R = 1 - 0.0597082 / 0.3164063 = 0.8112924; beta = 2 D = 1.125; bias_sq = R * 1.265625 = 1.0267920
+    # chi2 = mean (b - 1)^2 = (0 + 1 + 1 + 0) / 4 = 0.5; lambda = 1.0267920 / 1.5267920 = 0.6725158
+    train, rollout, mask = make_logprobs([[1.0, 0.25], [4.0, 1.0]], [[1, 1], [1, 1]])
+    out = AIS(base="mis")(train, rollout, mask)
+    k_a, k_b = 0.25 - 1 + math.log(4.0), 3 - math.log(4.0)
+    d = (k_a + k_b) / 4
+    assert d == pytest.approx(0.5625, abs=1e-12)  # ln 4 cancels
+    r = 1 - 2 * ((k_a - 2 * d) ** 2 + (k_b - 2 * d) ** 2) / 16 / d**2
+    assert r == pytest.approx(0.8112924, abs=1e-6)
+    lam = r * (2 * d) ** 2 / (r * (2 * d) ** 2 + 0.5)
+    assert lam == pytest.approx(0.6725158, abs=1e-6)
+    assert out.stats["ais/variance_excess"] == pytest.approx(0.5, rel=1e-6)
+    assert out.stats["ais/lambda"] == pytest.approx(lam, rel=1e-6)
+    # Rejected tokens keep weight 1 - lambda and stay in the mask (and in the loss's denominator).
+    torch.testing.assert_close(out.weights, torch.tensor([[1.0, 1 - lam], [1 - lam, 1.0]]), atol=1e-6, rtol=0)
+    assert bool(out.mask.all())
+    assert out.stats["corrector/clipped_frac"] == pytest.approx(0.5)
 
 
-def test_fixed_lambda(example_a):
-    out = AIS(fixed_lambda=0.25)(*example_a)
-    torch.testing.assert_close(out.weights, torch.tensor([[1.0, 0.75 + 0.25 * 2.0]]))
-    assert out.stats["ais/lambda"] == 0.25
-    assert out.stats["ais/lambda_raw"] == pytest.approx(LAMBDA_A, abs=1e-6)
+@pytest.mark.parametrize("base", ["tis", "mis"])
+def test_limits_are_none_and_the_base_corrector(example, base):
+    train, rollout, mask = example
+    none = NoCorrection()(train, rollout, mask)
+    zero = AIS(base=base, fixed_lambda=0.0)(train, rollout, mask)
+    assert torch.equal(zero.weights, none.weights) and torch.equal(zero.mask, none.mask)
+    full = AIS(base=base, c=2.0, fixed_lambda=1.0)(train, rollout, mask)
+    if base == "tis":
+        ref = TIS(level="token", c_high=2.0)(train, rollout, mask)
+        assert torch.equal(full.weights, ref.weights) and torch.equal(full.mask, ref.mask)
+    else:
+        ref = MIS(level="token", c_low=0.5, c_high=2.0)(train, rollout, mask)
+        # Same weights where MIS keeps a token, 0 where it rejects one; the mask stays whole.
+        torch.testing.assert_close(
+            full.weights, torch.where(ref.mask, ref.weights, torch.zeros_like(ref.weights))
+        )
+        assert torch.equal(full.mask, mask)
 
 
-def test_ema_across_two_calls_and_state_dict_round_trip(example_a, make_logprobs):
-    on_policy = make_logprobs([[1.0, 1.0]], [[True, True]])  # lambda_raw = 0 (s = 0)
+def test_on_policy_gives_lambda_zero_and_unit_weights(make_logprobs):
+    # pi = mu: D = 0, so beta = 0, R = 0 (no evidence) and chi2 = 0: lambda = 0 / 0 := 0.
+    train, rollout, mask = make_logprobs([[1.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 0]])
+    out = AIS()(train, rollout, mask, advantages=torch.tensor([1.0, -1.0]), entropy=torch.ones(2, 2))
+    assert out.stats["ais/lambda"] == 0.0
+    assert out.stats["ais/kl_k3"] == 0.0 and out.stats["ais/reliability"] == 0.0
+    assert out.stats["ais/variance_amplification"] == 1.0
+    torch.testing.assert_close(out.weights, mask.float())
+
+
+def test_one_response_is_no_evidence(make_logprobs):
+    # The clustered standard error needs 2 responses: with 1, R = 0 and lambda = 0 however large D.
+    train, rollout, mask = make_logprobs([[1.0, 40.0]], [[1, 1]])
+    out = AIS()(train, rollout, mask)
+    assert out.stats["ais/kl_k3"] > 10 and out.stats["ais/reliability"] == 0.0
+    assert out.stats["ais/lambda"] == 0.0
+    assert AIS(use_reliability=False)(train, rollout, mask).stats["ais/lambda"] > 0.99
+
+
+@pytest.mark.parametrize("log_ratio_value", [-15.0, 15.0, 30.0])
+def test_extreme_mismatch_gives_lambda_near_one(log_ratio_value):
+    # Every token off by e^{+-15} (30: beyond the +-20 clamp) in 4 responses of 3 tokens: k3 >= 14,
+    # beta >= 28 / G, the clustered se is 0 (identical responses), chi2 <= max(1, (C - 1)^2) = 1.
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(4, 3, generator=g) - 0.1
+    train = rollout + log_ratio_value
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    out = AIS()(train, rollout, mask, advantages=torch.randn(4, generator=g), entropy=torch.full((4, 3), 0.5))
+    assert out.stats["ais/reliability"] == pytest.approx(1.0)
+    assert out.stats["ais/lambda"] > 0.999
+
+
+def test_lambda_grows_as_the_policy_concentrates():
+    # The same small mismatch (log-ratios ~ N(0, 0.1^2), 16 responses of 8 tokens) at falling
+    # entropy: G = 1 - exp(-H) shrinks, beta = 2 D / G grows, and lambda climbs from ~0 to near 1
+    # ("exploration early, bias later").
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(16, 8, generator=g) - 0.1
+    train = rollout + 0.1 * torch.randn(16, 8, generator=g)
+    mask = torch.ones(16, 8, dtype=torch.bool)
+    adv = torch.randn(16, generator=g)
+    lams = [
+        AIS()(train, rollout, mask, advantages=adv, entropy=torch.full(mask.shape, h)).stats["ais/lambda"]
+        for h in (3.0, 1.0, 0.3, 0.1, 0.03)
+    ]
+    assert lams == sorted(lams)
+    assert lams[0] < 0.02 and lams[-1] > 0.8
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (2, 3)])
+def test_empty_inputs_give_zero_weights_and_finite_stats(shape):
+    train = torch.full(shape, -1.0)
+    rollout = torch.full(shape, -3.0)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    out = AIS()(train, rollout, mask, advantages=torch.ones(shape[0]), entropy=torch.ones(shape))
+    assert out.weights.shape == shape and bool((out.weights == 0).all())
+    assert all(math.isfinite(v) for v in out.stats.values())
+    assert out.stats["ais/lambda"] == 0.0
+
+
+def test_fixed_lambda_ema_and_state_dict(example_b, make_logprobs):
+    train, rollout, mask, adv, ent = example_b
+    on_policy = make_logprobs([[1.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 1]])  # lambda_raw = 0
+    fixed = AIS(fixed_lambda=0.25)(train, rollout, mask, advantages=adv, entropy=ent)
+    assert fixed.stats["ais/lambda"] == 0.25
+    assert fixed.stats["ais/lambda_raw"] == pytest.approx(LAMBDA_B, rel=1e-6)
     ais = AIS(ema_decay=0.5)
-    first = ais(*example_a)
-    assert first.stats["ais/lambda"] == pytest.approx(LAMBDA_A, abs=1e-6)  # first step uses raw
-    state = {k: v.clone() for k, v in ais.state_dict().items()}  # a checkpoint is a copy
+    assert ais(train, rollout, mask, advantages=adv, entropy=ent).stats["ais/lambda"] == pytest.approx(
+        LAMBDA_B
+    )
+    state = {k: v.clone() for k, v in ais.state_dict().items()}
     assert set(state) == {"ema_lambda", "ema_steps"}
-    second = ais(*on_policy)
-    # lambda_2 = 0.5 * lambda_1 + 0.5 * 0
-    assert second.stats["ais/lambda_raw"] == 0.0
-    assert second.stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_A, abs=1e-6)
-
+    assert ais(*on_policy).stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_B, rel=1e-6)  # 0.5 l1 + 0.5 * 0
     restored = AIS(ema_decay=0.5)
     restored.load_state_dict(state)
-    assert restored(*on_policy).stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_A, abs=1e-6)
-    # Without the state the same call starts a fresh EMA.
-    assert AIS(ema_decay=0.5)(*on_policy).stats["ais/lambda"] == 0.0
+    restored.eval()  # eval mode: the EMA is used but not advanced
+    assert restored(*on_policy).stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_B, rel=1e-6)
+    assert restored(*on_policy).stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_B, rel=1e-6)
+    assert int(restored.ema_steps) == 1
 
 
-def test_ema_does_not_advance_in_eval_mode(example_a, make_logprobs):
-    on_policy = make_logprobs([[1.0, 1.0]], [[True, True]])
-    ais = AIS(ema_decay=0.5)
-    ais(*example_a)
-    ais.eval()
-    assert ais(*on_policy).stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_A, abs=1e-6)
-    assert ais(*on_policy).stats["ais/lambda"] == pytest.approx(0.5 * LAMBDA_A, abs=1e-6)
-    assert int(ais.ema_steps) == 1
-
-
-def test_sufficient_statistics_are_additive(make_random_inputs):
+def test_sufficient_statistics_are_additive_over_responses(make_random_inputs):
     train, rollout, mask, adv, ent = make_random_inputs(0, 6, 5, 0.5)
     delta = log_ratio(train, rollout, mask)
-    whole = ais_sufficient_statistics(delta, mask, 2.0, advantages=adv, entropy=ent)
-    parts = sum(
-        ais_sufficient_statistics(
-            delta[i : i + 2], mask[i : i + 2], 2.0, advantages=adv[i : i + 2], entropy=ent[i : i + 2]
+    params = ais_params()
+    base, _ = ais_base_weights(delta, mask, params)
+
+    def stats(rows):
+        return ais_sufficient_statistics(
+            delta[rows], mask[rows], base[rows], advantages=adv[rows], entropy=ent[rows]
         )
-        for i in (0, 2, 4)
-    )
-    torch.testing.assert_close(parts, whole)
-    # Independent check of the first entries: N, sum w_C, sum w_C^2.
-    w_c = delta.double().exp().clamp(max=2.0)[mask]
-    torch.testing.assert_close(
-        whole[:3],
-        torch.stack([torch.tensor(float(mask.sum()), dtype=torch.float64), w_c.sum(), (w_c**2).sum()]),
-    )
+
+    whole = stats(slice(0, 6))
+    torch.testing.assert_close(stats(slice(0, 2)) + stats(slice(2, 3)) + stats(slice(3, 6)), whole)
+    # Independent check of some entries: N, responses, sum k3, sum_s K_s^2, sum (1 - e^-H), sum (b - 1)^2.
+    d = delta.double()
+    k3 = (d.exp() - 1 - d) * mask
+    b = torch.minimum(d.exp(), torch.tensor(2.0, dtype=torch.float64))
+    assert float(whole[0]) == float(mask.sum())
+    assert float(whole[1]) == float(mask.any(-1).sum())
+    assert float(whole[2]) == pytest.approx(float(k3.sum()), rel=1e-6)
+    assert float(whole[3]) == pytest.approx(float((k3.sum(-1) ** 2).sum()), rel=1e-6)
+    assert float(whole[6]) == pytest.approx(float(((1 - torch.exp(-ent.double())) * mask).sum()), rel=1e-9)
+    assert float(whole[11]) == pytest.approx(float((((b - 1) ** 2) * mask).sum()), rel=1e-5)
 
 
 def test_k3_is_accurate_for_tiny_mismatch():
-    # delta = 1e-4 on every token: k3 = e^d - 1 - d = d^2/2 + d^3/6 = 5.0001667e-9 per token.
-    delta = torch.full((2, 3), 1e-4, dtype=torch.float64).float()
+    # delta = 1e-4 on every token: k3 = d^2/2 + d^3/6 per token, accurate in float64 with expm1.
+    delta = torch.full((2, 3), 1e-4).float()
     mask = torch.ones(2, 3, dtype=torch.bool)
-    d = float(delta[0, 0])  # the float32 value actually used
-    expected = d * d / 2 + d**3 / 6
-    coef = ais_coefficient(ais_sufficient_statistics(delta, mask, 2.0))
-    assert float(coef["kl_k3"]) == pytest.approx(expected, rel=1e-6)
+    d = float(delta[0, 0])
+    base, _ = ais_base_weights(delta, mask, ais_params())
+    coef = ais_coefficient(ais_sufficient_statistics(delta, mask, base), ais_params())
+    assert float(coef["kl_k3"]) == pytest.approx(d * d / 2 + d**3 / 6, rel=1e-6)
 
 
-def test_repr_mentions_options():
-    assert "ema_decay=0.9" in repr(AIS(ema_decay=0.9))
+def test_severity_recovers_the_logit_noise_variance():
+    # The model behind beta: mu = softmax(z + eta), eta ~ N(0, sigma^2) iid per logit. Then
+    # E KL(mu || pi) = sigma^2 G / 2 to second order, G = 1 - sum pi^2, so 2 KL / G estimates sigma^2.
+    # Exact KL and G per context (no token sampling), averaged over 4000 contexts and noise draws.
+    g = torch.Generator().manual_seed(0)
+    z = 3.0 * torch.randn(4000, 50, generator=g, dtype=torch.float64)  # concentrated and spread contexts
+    log_pi = torch.log_softmax(z, -1)
+    for sigma in (0.05, 0.1, 0.2):
+        log_mu = torch.log_softmax(z + sigma * torch.randn(z.shape, generator=g, dtype=torch.float64), -1)
+        kl = (log_mu.exp() * (log_mu - log_pi)).sum(-1)  # KL(mu || pi) per context
+        gini = 1 - (log_pi.exp() ** 2).sum(-1)
+        assert float(2 * kl.sum() / gini.sum()) == pytest.approx(sigma**2, rel=0.05)
+        # ... and the spread bound G <= 1 - exp(-H) (Renyi-2 entropy <= Shannon entropy) holds.
+        entropy = -(log_pi.exp() * log_pi).sum(-1)
+        assert bool((gini <= -torch.expm1(-entropy) + 1e-12).all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"c": 0.5}, "c must"),
+        ({"c": float("nan")}, "c must"),
+        ({"base": "psis"}, "base must"),
+        ({"c_low": 1.5}, "c_low"),
+        ({"c_low": -0.1}, "c_low"),
+        ({"noise_to_signal": -1.0}, "noise_to_signal"),
+        ({"noise_to_signal": float("inf")}, "noise_to_signal"),
+        ({"use_entropy": 1}, "use_entropy"),
+        ({"use_reliability": "yes"}, "use_reliability"),
+        ({"lambda_min": 0.6, "lambda_max": 0.4}, "lambda_min"),
+        ({"lambda_max": 1.5}, "lambda_max"),
+        ({"ema_decay": 1.0}, "ema_decay"),
+        ({"fixed_lambda": 1.5}, "fixed_lambda"),
+    ],
+)
+def test_bad_options_name_the_argument_first(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        AIS(**kwargs)
+
+
+def test_defaults_live_only_in_the_signature():
+    # AISParams has no defaults; AIS's signature is keyword-only with config-friendly types.
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(AISParams))
+    sig = inspect.signature(AIS)
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in sig.parameters.values())
+    fields = {f.name for f in dataclasses.fields(AISParams)}
+    assert fields | {"ema_decay", "fixed_lambda"} == set(sig.parameters)
+    assert ais_params() == AIS().params
+    assert ais_params(c=3.0).c == 3.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        AIS().params.c = 3.0
+
+
+def test_registry_and_repr():
+    assert type(build_corrector("ais")) is AIS
+    assert type(build_corrector("ais_v1", kappa=0.1)) is AISv1
+    assert "noise_to_signal=1.0" in repr(AIS()) and "ema_decay=0.9" in repr(AIS(ema_decay=0.9))

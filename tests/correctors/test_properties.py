@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ais_lightning.correctors import AIS, MIS, TIS, NoCorrection
+from ais_lightning.correctors import MIS, TIS, AISv1, NoCorrection
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -32,7 +32,7 @@ def correctors(draw):
     if kind == "mis":
         veto = draw(st.one_of(st.none(), st.floats(1e-6, 1.0)))
         return MIS(level=draw(levels), c_low=draw(st.floats(0.0, 1.0)), c_high=draw(c_highs), veto=veto)
-    return AIS(**draw(ais_kwargs()))
+    return AISv1(**draw(ais_kwargs()))
 
 
 @st.composite
@@ -92,7 +92,7 @@ def test_on_policy_gives_unit_weights(make_random_inputs, seed, b, t, corrector,
     torch.testing.assert_close(out.weights[mask], torch.ones(int(mask.sum())), atol=1e-6, rtol=0)
     assert out.stats["corrector/clipped_frac"] == 0.0
     assert out.stats["corrector/masked_frac"] == 0.0
-    if isinstance(corrector, AIS):
+    if isinstance(corrector, AISv1):
         assert out.stats["ais/severity"] == 0.0
         if corrector.coefficient_kwargs["use_severity"]:  # s = 0 makes lambda_raw = 0
             assert out.stats["ais/lambda"] == corrector.coefficient_kwargs["lambda_min"]
@@ -102,7 +102,7 @@ def test_on_policy_gives_unit_weights(make_random_inputs, seed, b, t, corrector,
 @given(seeds, batches, lengths, st.tuples(st.booleans(), st.booleans()))
 def test_on_policy_ais_lambda_is_zero(make_random_inputs, seed, b, t, flags):
     _, rollout, mask, adv, ent = make_random_inputs(seed, b, t, 0.0)
-    out = AIS()(rollout.clone(), rollout, mask, **extras(flags, adv, ent))
+    out = AISv1()(rollout.clone(), rollout, mask, **extras(flags, adv, ent))
     assert out.stats["ais/lambda"] == 0.0
 
 
@@ -112,7 +112,7 @@ def test_ais_limits_equal_none_and_token_tis(make_random_inputs, seed, b, t, sca
     train, rollout, mask, adv, ent = make_random_inputs(seed, b, t, scale)
     kw = extras(flags, adv, ent)
     for fixed, reference in ((0.0, NoCorrection()), (1.0, TIS(level="token", c_high=c))):
-        ais_out = AIS(c=c, fixed_lambda=fixed)(train, rollout, mask, **kw)
+        ais_out = AISv1(c=c, fixed_lambda=fixed)(train, rollout, mask, **kw)
         ref_out = reference(train, rollout, mask, **kw)
         assert torch.equal(ais_out.weights, ref_out.weights)
         assert torch.equal(ais_out.mask, ref_out.mask)
@@ -123,7 +123,7 @@ def test_ais_limits_equal_none_and_token_tis(make_random_inputs, seed, b, t, sca
 @given(seeds, batches, lengths, scales, ais_kwargs(), st.tuples(st.booleans(), st.booleans()))
 def test_lambda_in_unit_interval(make_random_inputs, seed, b, t, scale, kwargs, flags):
     train, rollout, mask, adv, ent = make_random_inputs(seed, b, t, scale)
-    ais = AIS(**kwargs)
+    ais = AISv1(**kwargs)
     for _ in range(2):  # the second call goes through the EMA when enabled
         out = ais(train, rollout, mask, **extras(flags, adv, ent))
         lam = out.stats["ais/lambda"]

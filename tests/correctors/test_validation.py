@@ -15,6 +15,7 @@ from ais_lightning.correctors import (
     CORRECTORS,
     MIS,
     TIS,
+    AISv1,
     CorrectionOutput,
     NoCorrection,
     build_corrector,
@@ -28,6 +29,8 @@ ALL = [
     MIS(level="geometric", veto=0.1),
     AIS(),
     AIS(ema_decay=0.9),
+    AISv1(),
+    AISv1(ema_decay=0.9),
 ]
 
 
@@ -107,12 +110,12 @@ def test_empty_mask_gives_zero_weights_and_finite_stats(corrector):
         (lambda: MIS(veto=0.0), "veto"),
         (lambda: MIS(veto=1.5), "veto"),
         (lambda: AIS(c=0.5), "c must"),
-        (lambda: AIS(kappa=0.0), "kappa"),
-        (lambda: AIS(alpha=-1.0), "alpha"),
-        (lambda: AIS(beta=-1.0), "beta"),
+        (lambda: AISv1(kappa=0.0), "kappa"),
+        (lambda: AISv1(alpha=-1.0), "alpha"),
+        (lambda: AISv1(beta=-1.0), "beta"),
         (lambda: AIS(lambda_min=0.6, lambda_max=0.4), "lambda_min"),
         (lambda: AIS(lambda_max=1.5), "lambda_max"),
-        (lambda: AIS(eps=0.0), "eps"),
+        (lambda: AISv1(eps=0.0), "eps"),
         (lambda: AIS(ema_decay=1.0), "ema_decay"),
         (lambda: AIS(fixed_lambda=1.5), "fixed_lambda"),
         (lambda: AIS(c=float("nan")), "c must"),
@@ -129,8 +132,8 @@ def test_build_corrector():
     assert isinstance(tis, TIS) and tis.level == "geometric" and tis.c_high == 3.0
     assert isinstance(build_corrector("mis", veto=0.01), MIS)
     assert isinstance(build_corrector("ais", ema_decay=0.5), AIS)
-    assert set(CORRECTORS) == {"none", "tis", "mis", "ais"}
-    with pytest.raises(ValueError, match="'ais', 'mis', 'none', 'tis'"):
+    assert {"none", "tis", "mis", "ais", "ais_v1"} <= set(CORRECTORS)
+    with pytest.raises(ValueError, match="unknown corrector name 'pis'.*'ais', 'ais_v1'"):
         build_corrector("pis")
 
 

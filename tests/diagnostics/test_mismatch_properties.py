@@ -106,7 +106,8 @@ def test_empty_mask_gives_documented_finite_values():
     coll.update(train, rollout, empty)
     out = as_floats(coll.compute())
     # documented empty values: 1 for ratio-like quantities (ESS, ppl ratio, mean/min/max), 0 otherwise
-    ones = {"ess", "ppl_ratio", "ratio_mean", "ratio_min", "ratio_max"}
+    ones = {"ess", "ppl_ratio", "ratio_mean", "ratio_min", "ratio_max", "train_ppl", "rollout_ppl"}
+    ones |= {"ppl_ratio_seq", "ess_clipped", "seq_ratio_mean", "seq_ratio_max", "seq_ratio_min"}
     for name, got in out.items():
         if name == "ais_lambda":
             assert math.isfinite(got)

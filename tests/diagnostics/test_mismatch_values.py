@@ -173,12 +173,12 @@ def test_collection_names_and_values():
         "mismatch/ratio_frac_below": 0.25,
         "mismatch/ppl_ratio": math.sqrt(2.0),
     }
-    # ais_lambda with C = 1.5 (docs/design.md section 4, defaults kappa = alpha = beta = 1, eps = 1e-6):
-    # w_C = {1.5, 0.5, 1, 1.5}; R = 4.5^2 / (4 * 5.75); D = k3 above, H = 1: s = 1 - exp(-D / (1 + eps));
-    # V = E[w_C^2] = 5.75 / 4, v = 1 / V; lambda = s * R * v ~= 0.2514
+    # ais_lambda: AIS v2 at C = 1.5 (docs/ais.md), no advantages/entropy (G = 1). Responses [2, 0.5], [1, 4]:
+    # K = [0.5, 3 - 2 ln2]; R = 1 - 2 * 2 (0.5 - 2 D)^2 / 16 / D^2; beta = 2 D; chi2 = mean(min(w,1.5) - 1)^2 = 0.1875
     k3 = 0.875 - LN2 / 2
-    expected["mismatch/ais_lambda"] = (1 - math.exp(-k3 / (1 + 1e-6))) * (4.5**2 / 23.0) * (4.0 / 5.75)
-    assert set(out) == set(expected)
+    r = 1 - 2 * 2 * (0.5 - 2 * k3) ** 2 / 16 / k3**2
+    expected["mismatch/ais_lambda"] = r * (2 * k3) ** 2 / (r * (2 * k3) ** 2 + 0.1875)  # ~0.8114351
+    assert set(expected) <= set(out)  # the peer metrics' values: tests/diagnostics/test_peer_metrics.py
     for name, want in expected.items():
         assert out[name] == pytest.approx(want, rel=1e-6), name
 
@@ -196,10 +196,15 @@ def test_a_precomputed_log_ratio_gives_the_same_values_as_the_log_probs():
     plain, shared = MismatchDiagnostics(), MismatchDiagnostics()
     plain.update(train, rollout, mask, advantages=adv)
     delta = ops.log_ratio(train, rollout, mask)
-    # Garbage log-probs prove that the metrics read delta only.
+    # Garbage log-probs prove that the ratio metrics read delta only; perplexities need the log-probs
+    # themselves (a perplexity is not a function of the ratio), so they get the real ones.
     nan = torch.full_like(train, float("nan"))
     shared.update(nan, nan, mask, advantages=adv, log_ratio=delta)
-    a, b = plain.compute(), shared.compute()
-    assert a.keys() == b.keys()
+    with_logprobs = MismatchDiagnostics()
+    with_logprobs.update(train, rollout, mask, advantages=adv, log_ratio=delta)
+    a, b, c = plain.compute(), shared.compute(), with_logprobs.compute()
+    assert a.keys() == b.keys() == c.keys()
     for key in a:
-        assert torch.equal(a[key], b[key]), key
+        assert torch.equal(a[key], c[key]), key
+        if not key.endswith("_ppl"):
+            assert torch.equal(a[key], b[key]), key

@@ -177,3 +177,12 @@ def test_fsdp_gpu_strategy_builds_on_cuda():
     from lightning.pytorch.strategies import FSDPStrategy
 
     assert isinstance(validate(make("trainer=fsdp_gpu")).trainer.strategy_object(), FSDPStrategy)
+
+
+@pytest.mark.parametrize("preset", ["correctors", "correctors_all", "paper_small"])
+def test_sweep_presets_name_existing_options(preset):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["output_dir=/x", f"sweep={preset}"], return_hydra_config=True)
+    for group, values in cfg.hydra.sweeper.params.items():
+        if group in ("corrector", "rollout"):
+            assert set(str(values).split(",")) <= set(options(group)), (preset, group)

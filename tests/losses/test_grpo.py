@@ -316,3 +316,18 @@ def test_coefficients_require_their_tensors():
         GRPOLoss(kl_coef=0.1)(lp, lp, torch.zeros(2), mask)
     with pytest.raises(ValueError, match="entropy"):
         GRPOLoss(entropy_coef=0.1)(lp, lp, torch.zeros(2), mask)
+
+
+def test_prime_rl_mismatch_penalty_adds_coef_times_mean_squared_log_ratio():
+    # ratio 1 to pi_old and A = 0 -> pg = 0; log pi - log mu = [0.5, -1.0] -> mean square (0.25 + 1) / 2.
+    logprobs = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    mu = torch.tensor([[-1.5, -1.0]], dtype=F64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.zeros(1, dtype=F64)
+    out = GRPOLoss(mismatch_penalty_coef=1e-3)(logprobs, logprobs.detach(), adv, mask, rollout_logprobs=mu)
+    assert out.stats["loss/mismatch_penalty"] == pytest.approx(0.625)
+    assert out.loss.item() == pytest.approx(1e-3 * 0.625)
+    out.loss.backward()  # d/dlogp 1e-3 * mean((logp - mu)^2) = 1e-3 * (logp - mu)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.5e-3, -1.0e-3]], dtype=F64))
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        GRPOLoss(mismatch_penalty_coef=1e-3)(logprobs, logprobs.detach(), adv, mask)

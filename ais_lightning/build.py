@@ -144,8 +144,9 @@ def validate(cfg: DictConfig) -> Components:
     built = {g: build_option(cfg, g) for g in GROUPS if g != "rollout"}
     engine_args = _arguments(cfg.rollout)
     eval_engine = None
-    if getattr(engine_cls, "has_trainer_precision_copy", False):
-        eval_engine = functools.partial(engine_cls, **{**engine_args, "precision": "fp32"})
+    copy_args = getattr(engine_cls, "TRAINER_PRECISION_COPY", None)
+    if copy_args is not None:
+        eval_engine = functools.partial(engine_cls, **{**engine_args, **copy_args})
     components = Components(
         engine=functools.partial(engine_cls, **engine_args), eval_engine=eval_engine, **built
     )

@@ -191,13 +191,9 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
 
 def _engine_classes() -> dict[str, type]:
     """The rollout engine classes by name (their modules import vLLM / Transformer Engine lazily)."""
-    import importlib
+    from ais_lightning.rollout.factory import ENGINES, engine_class
 
-    from ais_lightning.rollout.factory import _ENGINE_CLASSES
-
-    return {
-        name: getattr(importlib.import_module(module), cls) for name, (module, cls) in _ENGINE_CLASSES.items()
-    }
+    return {name: engine_class(name) for name in ENGINES}
 
 
 def register_configs() -> None:

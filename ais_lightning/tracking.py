@@ -233,7 +233,13 @@ MLFLOW_CHECKPOINT_KEY = "ais_mlflow_run"
 
 
 class MLflowRunInCheckpoint(Callback):
-    """Lightning callback: every checkpoint records its MLflow run, so a resume continues that run."""
+    """Lightning callback: every checkpoint records its MLflow run, so a resume continues that run.
+
+    It also records the metrics of the step being checkpointed: Lightning saves a step's checkpoint
+    (``ModelCheckpoint.on_train_batch_end``) *before* it sends that step's metrics to the loggers, and a
+    resume starts after the step, so a process killed in between would leave a hole in the run's history.
+    :func:`log_missing_metrics` fills it on resume.
+    """
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
@@ -243,7 +249,53 @@ class MLflowRunInCheckpoint(Callback):
             checkpoint[MLFLOW_CHECKPOINT_KEY] = {
                 "run_id": self.logger.run_id,
                 "tracking_uri": self.logger._tracking_uri,
+                "pending": pending_metrics(trainer),
             }
+
+
+def pending_metrics(trainer: Any) -> dict[str, Any] | None:
+    """``{"step", "metrics"}``: what Lightning will log for the current training step, as it would log it.
+
+    Reads Lightning's logger connector (no public API exposes the current step's metrics alone); None
+    outside a training step or when those internals are not there.
+    """
+    try:
+        connector = trainer._logger_connector
+        if not trainer.training or connector._first_loop_iter is None:
+            return None
+        logged = connector.metrics["log"]
+        step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except (AttributeError, KeyError, TypeError, AssertionError):
+        return None
+    metrics = {k: float(v) for k, v in logged.items()}
+    if not metrics:
+        return None
+    metrics.setdefault("epoch", float(trainer.current_epoch))  # as Lightning adds it
+    return {"step": step, "metrics": metrics}
+
+
+def log_missing_metrics(logger: Any, pending: dict[str, Any] | None) -> list[str]:
+    """Log the ``pending`` metrics (``{"step", "metrics"}``) that ``logger``'s run lacks at their step.
+
+    Called when a run resumes from a checkpoint: its process may have been killed after writing the
+    checkpoint but before logging the checkpointed step (:func:`pending_metrics`) or its validation. An
+    MLflow run is asked what it has; other loggers (a resumed CSV logger writes a new version) get all.
+    Returns the keys it logged.
+    """
+    if not pending or not logger or not pending.get("metrics"):
+        return []
+    step, metrics = int(pending["step"]), dict(pending["metrics"])
+    if hasattr(logger, "run_id"):
+        client = logger.experiment
+        metrics = {
+            key: value
+            for key, value in metrics.items()
+            if not any(m.step == step for m in client.get_metric_history(logger.run_id, key))
+        }
+    if metrics:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+    return sorted(metrics)
 
 
 def mlflow_run_of(checkpoint: dict[str, Any]) -> dict[str, str] | None:

@@ -97,11 +97,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         check_tracking_uri,
         check_writable,
         flatten_config,
+        log_missing_metrics,
         mlflow_run_of,
         option_choices,
         reopen_run,
     )
-    from ais_lightning.trainer import checkpoint_callback
+    from ais_lightning.trainer import checkpoint_callback, progress_bar, skipped_validation
 
     silence_known_noise()  # also in joblib workers, where main() does not run
     # --- cheap checks first: nothing heavy is built before the config is known to be sound.
@@ -143,6 +144,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     logger = build_logger(c.logger, cfg.output_dir, resume=resume)
     per_rollout = algo.optimizer_steps_per_rollout
     every = c.trainer.checkpoint_every_n_steps * per_rollout or None
+    val_every = min(algo.val_every_n_steps, steps)  # in training batches = rollout steps
     trainer = L.Trainer(
         accelerator=c.trainer.accelerator,
         devices=c.trainer.devices,
@@ -150,30 +152,41 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         strategy=c.trainer.strategy_object(type(policy.decoder_layers()[0])),
         precision=c.trainer.precision,
         max_steps=steps * per_rollout,
-        val_check_interval=min(algo.val_every_n_steps, steps),  # training batches = rollout steps
+        val_check_interval=val_every,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=logger,
-        callbacks=[checkpoint_callback(cfg.output_dir, every), MLflowRunInCheckpoint(logger)],
+        callbacks=[
+            checkpoint_callback(cfg.output_dir, every),
+            MLflowRunInCheckpoint(logger),
+            *([progress_bar("GRPO")] if c.trainer.enable_progress_bar else []),
+        ],
         enable_progress_bar=c.trainer.enable_progress_bar,
         enable_model_summary=False,
         log_every_n_steps=1,
         default_root_dir=cfg.output_dir,
     )
-    if logger and resume is None:
+    continues = bool(resume) and getattr(logger, "run_id", None) == resume["run_id"]
+    if logger and not continues:  # a new run (also when a resume is sent to another store explicitly)
         logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
-    elif logger and hasattr(logger, "run_id"):
+    elif continues:
         reopen_run(logger)  # continue the checkpoint's run; its params stay those of its first start
         logger.experiment.set_tag(
             logger.run_id, f"resumed_at_step_{checkpoint.get('global_step')}", ckpt_path
         )
+        # the checkpointed step's metrics, in case the process was killed before it logged them
+        log_missing_metrics(logger, resume.get("pending"))
 
     status = "finished"
+    recovered: dict[str, float] = {}
+    skipped = skipped_validation(checkpoint, val_every) if ckpt_path else None
     try:
         if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
             (start,) = trainer.validate(module, datamodule=data, verbose=False)
             module.validation_start = {k: float(v) for k, v in start.items()}
             reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
+        elif skipped is not None:  # the validation due right after the checkpoint, which fit() would skip
+            recovered = _recover_validation(trainer, module, data, ckpt_path, logger, *skipped)
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException:
         status = "sigterm"
@@ -186,7 +199,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     summary = summarize(module.history)
     summary["status"] = "finished" if status == "finished" else "interrupted"
-    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    val = {**recovered, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     summary["validation_start"] = dict(module.validation_start)
     summary["validation"] = val
     summary["wall_time_s"] = time.perf_counter() - started
@@ -212,6 +225,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if status != "finished":
         raise SystemExit(EXIT_CODES[status])
     return summary
+
+
+def _recover_validation(
+    trainer: Any, module: Any, data: Any, ckpt_path: str, logger: Any, step: int, epoch: int
+) -> dict[str, float]:
+    """Validate the checkpoint's weights and log what the run's record lacks at ``step``.
+
+    A periodic checkpoint is written before the validation due after its step, and ``fit`` resumed from it
+    skips that validation (:func:`ais_lightning.trainer.skipped_validation`); a run killed in between would
+    miss it. Run without loggers here; only the missing values are logged, where ``fit`` would have.
+    """
+    from ais_lightning.tracking import log_missing_metrics
+
+    loggers, trainer.loggers = trainer.loggers, []
+    try:
+        (val,) = trainer.validate(module, datamodule=data, ckpt_path=ckpt_path, verbose=False)
+    finally:
+        trainer.loggers = loggers
+    metrics = {k: float(v) for k, v in val.items()}
+    if logger:
+        log_missing_metrics(logger, {"step": step, "metrics": {**metrics, "epoch": float(epoch)}})
+    return metrics
 
 
 def _log_to_mlflow(logger: Any, summary: dict[str, Any], files: list[Path]) -> None:

@@ -82,6 +82,22 @@ class TrainerSettings:
         return "auto"
 
 
+def progress_bar(label: str) -> Any:
+    """Lightning's TQDM progress bar labelled with what is being trained ("GRPO", "SFT warm start").
+
+    Lightning's default bar (Rich when installed) labels an epoch-less run "Epoch 0/-2"; a run here is
+    counted in steps, so the bar shows the label, the step count and the logged progress metrics.
+    """
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    class StepProgressBar(TQDMProgressBar):
+        def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description(label)
+
+    return StepProgressBar()
+
+
 def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None) -> Any:
     """Checkpoints under ``<output_dir>/checkpoints``: ``last.ckpt`` always, every N optimizer steps if set."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -95,3 +111,27 @@ def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None)
         save_top_k=-1 if every_n_train_steps else 1,
         enable_version_counter=False,  # a resumed run overwrites last.ckpt: "last" is always the newest
     )
+
+
+def skipped_validation(checkpoint: dict[str, Any], val_check_batches: int) -> tuple[int, int] | None:
+    """``(log step, epoch)`` of the validation a resume from ``checkpoint`` would skip, or None.
+
+    Lightning saves a periodic checkpoint at the end of a training batch (``ModelCheckpoint
+    .on_train_batch_end``), before the validation due after that batch. Resuming from it, Lightning counts
+    that validation as done (``_TrainingEpochLoop.advance`` fast-forwards the validation loop), so if the
+    process was killed before the validation ended, the run's record never gets it. This reads the
+    checkpoint's loop state the way Lightning does (a batch processed but not completed = saved at the end
+    of a training batch; validation every ``val_check_batches`` batches) and returns where Lightning would
+    have logged that validation.
+    """
+    try:
+        fit = checkpoint["loops"]["fit_loop"]
+        total = fit["epoch_loop.batch_progress"]["total"]
+        step = int(fit["epoch_loop.state_dict"]["_batches_that_stepped"])
+        saved_at_batch_end = total["completed"] == total["processed"] - 1 == total["ready"] - 1
+        batches = int(total["ready"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not saved_at_batch_end or batches % val_check_batches:
+        return None
+    return step, int(checkpoint.get("epoch", 0))

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
-from ais_lightning.rollout.torch_engine import left_pad
+from ais_lightning.rollout.prompts import left_pad
 
 
 @dataclass

@@ -9,7 +9,7 @@ Writes into --out: report.md (one row per configuration, seeds averaged: mean ±
 report.json (the same numbers, plus mean histories), and one PNG per metric vs step
 (val_accuracy, reward, mismatch_kl, entropy, ais_lambda; skipped with a note when not logged).
 Only FINISHED runs are averaged; FAILED/KILLED/RUNNING runs are listed separately.
-Column and "gap recovered" definitions: ais_lightning/report.py (also printed at the end of report.md).
+Column and "gap recovered" definitions: ais_lightning/report/stats.py (also printed at the end of report.md).
 Exit status 2 when the experiment does not exist or has no finished runs.
 """
 

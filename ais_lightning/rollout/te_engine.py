@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ais_lightning.rollout.engine_args import bind_engine_args, check_choice, require_package
 from ais_lightning.rollout.torch_engine import TorchRolloutEngine
 
 TE_INSTALL_HINT = "pip install 'ais-lightning[te]'"
 TE_PRECISIONS = ("fp8",)
 """Precisions TERolloutEngine runs."""
+FP8_FORMATS = ("E4M3", "HYBRID")
+"""``DelayedScaling`` formats: E4M3 everywhere (inference), or HYBRID (E4M3 forward, E5M2 gradients)."""
 _TE_SKIP = ("lm_head",)
 
 
@@ -98,13 +101,19 @@ class TERolloutEngine(TorchRolloutEngine):
     Args:
         model: a Llama-family Hugging Face causal LM (see ``TorchRolloutEngine``); deep-copied.
         precision: only ``"fp8"``.
-        kv_cache_dtype: None or ``"fp8"`` (fake-quantized E4M3 cache, as in the torch engine).
+        kv_cache_dtype: None / ``"auto"`` or ``"fp8"`` (fake-quantized E4M3 cache, as in the torch engine).
         fp8_format: ``"E4M3"`` (inference: all FP8 tensors E4M3) or ``"HYBRID"``.
         amax_history_len: DelayedScaling amax history length.
         margin: DelayedScaling margin (scale = fp8_max / amax / 2**margin).
-        params_dtype: dtype of the high-precision weights and activations (bf16 by default).
+        params_dtype: dtype of the high-precision weights and activations (bf16 by default), or its name.
         device: CUDA device.
+
+    Arguments are validated by :meth:`check_args` (which also needs CUDA and Transformer Engine).
     """
+
+    PRECISIONS: ClassVar[tuple[str, ...]] = TE_PRECISIONS
+    TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = None
+    """No fp32 copy: Transformer Engine runs fp8 only (validation reports the engine's precision)."""
 
     def __init__(
         self,
@@ -120,35 +129,86 @@ class TERolloutEngine(TorchRolloutEngine):
         pad_token_id: int | None = None,
         compact_below: float = 0.5,
     ) -> None:
-        if precision not in TE_PRECISIONS:
-            raise ValueError(f"TERolloutEngine precision must be one of {TE_PRECISIONS}, got {precision!r}")
-        if fp8_format not in ("E4M3", "HYBRID"):
-            raise ValueError(f"fp8_format must be 'E4M3' or 'HYBRID', got {fp8_format!r}")
-        if amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be >= 1, got {amax_history_len}")
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "TERolloutEngine needs a CUDA GPU (Transformer Engine FP8 kernels); none is available. "
-                "On CPU use TorchRolloutEngine(model, precision='fp8') for emulated FP8 numerics."
-            )
+        args = TERolloutEngine.check_args(
+            precision=precision,
+            kv_cache_dtype=kv_cache_dtype,
+            fp8_format=fp8_format,
+            amax_history_len=amax_history_len,
+            margin=margin,
+            params_dtype=params_dtype,
+            device=device,
+            pad_token_id=pad_token_id,
+            compact_below=compact_below,
+        )
         self._te = import_transformer_engine()
         recipe = importlib.import_module("transformer_engine.common.recipe")
         self._recipe = recipe.DelayedScaling(
-            margin=margin,
-            fp8_format=getattr(recipe.Format, fp8_format),
-            amax_history_len=amax_history_len,
+            margin=args["margin"],
+            fp8_format=getattr(recipe.Format, args["fp8_format"]),
+            amax_history_len=args["amax_history_len"],
             amax_compute_algo="max",
         )
-        self._params_dtype = params_dtype
-        self._te_device = torch.device(device)
+        self._params_dtype = args["params_dtype"]
+        self._te_device = torch.device(args["device"])
         super().__init__(
             model,
             precision="fp8",
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=args["kv_cache_dtype"],
             pad_token_id=pad_token_id,
             compact_below=compact_below,
         )
         self.backend = "transformer_engine"
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> dict[str, Any]:
+        """Validate constructor arguments (all but ``model``) without building anything.
+
+        ValueError naming the argument for a value TE cannot run; then, since TE's FP8 kernels need
+        both, when there is no CUDA GPU or Transformer Engine is not installed (with the pip extra to
+        install). ``kv_cache_dtype`` and the sampler options follow :meth:`TorchRolloutEngine.check_args`.
+        Returns the arguments with the constructor's defaults filled in.
+        """
+        name = "TERolloutEngine"
+        args = bind_engine_args(TERolloutEngine, kwargs)
+        check_choice(name, "precision", args["precision"], TE_PRECISIONS)
+        check_choice(name, "fp8_format", args["fp8_format"], FP8_FORMATS)
+        if isinstance(args["amax_history_len"], bool) or not isinstance(args["amax_history_len"], int):
+            raise ValueError(
+                f"amax_history_len must be an int >= 1 for {name}, got {args['amax_history_len']!r}"
+            )
+        if args["amax_history_len"] < 1:
+            raise ValueError(f"amax_history_len must be >= 1 for {name}, got {args['amax_history_len']}")
+        if isinstance(args["margin"], bool) or not isinstance(args["margin"], int) or args["margin"] < 0:
+            raise ValueError(f"margin must be an int >= 0 for {name}, got {args['margin']!r}")
+        dtype = args["params_dtype"]
+        if isinstance(dtype, str):  # a config value such as "bfloat16"
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"params_dtype must be a floating torch.dtype (or its name, e.g. 'bfloat16') for {name}, "
+                f"got {args['params_dtype']!r}"
+            )
+        args["params_dtype"] = dtype
+        try:
+            device = torch.device(args["device"])
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device must be a CUDA device for {name}, got {args['device']!r}") from err
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for {name}, got {args['device']!r}")
+        sampler = TorchRolloutEngine.check_args(
+            precision="fp8",
+            kv_cache_dtype=args["kv_cache_dtype"],
+            pad_token_id=args["pad_token_id"],
+            compact_below=args["compact_below"],
+        )
+        args["kv_cache_dtype"] = sampler["kv_cache_dtype"]
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{name} needs a CUDA GPU (Transformer Engine FP8 kernels); none is available. "
+                "On CPU use TorchRolloutEngine(model, precision='fp8') (engine 'torch') for emulated FP8 numerics."
+            )
+        require_package(name, "transformer_engine", "Transformer Engine", TE_INSTALL_HINT)
+        return args
 
     def _prepare_model(self) -> None:
         self.model.to(device=self._te_device, dtype=self._params_dtype)

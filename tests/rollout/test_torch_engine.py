@@ -8,7 +8,8 @@ import torch
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy
 from ais_lightning.rollout import RolloutEngine, SamplingConfig, TorchRolloutEngine
-from ais_lightning.rollout.torch_engine import _act_in_place, _linear_residual, _rope, _sign_sin, left_pad
+from ais_lightning.rollout.prompts import left_pad
+from ais_lightning.rollout.torch_model import act_in_place, linear_residual, rope, sign_sin
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [40], [20, 21, 22, 23]]  # different lengths
 
@@ -119,17 +120,17 @@ def test_kv_cache_memory_is_reused_and_stale_contents_never_read(model):
     engine = TorchRolloutEngine(model)
     big = SamplingConfig(n=4, max_new_tokens=12, seed=0)
     engine.generate(PROMPTS, big)
-    workspace = engine._kv_workspace
+    workspace = engine.kv_workspace.buffer
     with torch.inference_mode():
         workspace.fill_(float("nan"))  # whatever a previous call left must not leak into the next one
     small = SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=[2], seed=3)
     reused = engine.generate(PROMPTS[1:], small)  # fewer rows, padded prompts: fits in the workspace
-    assert engine._kv_workspace is workspace
+    assert engine.kv_workspace.buffer is workspace
     fresh = TorchRolloutEngine(model).generate(PROMPTS[1:], small)
     assert torch.equal(reused.response_ids, fresh.response_ids)
     assert torch.equal(reused.rollout_logprobs, fresh.rollout_logprobs)
     engine.release_kv_cache()
-    assert engine._kv_workspace is None
+    assert engine.kv_workspace.buffer is None
     assert torch.equal(engine.generate(PROMPTS[1:], small).response_ids, fresh.response_ids)
 
 
@@ -162,7 +163,7 @@ def test_fused_qkv_equals_the_three_projections(model, precision, fused_type):
     """The fused q/k/v layer reproduces the three modules bit for bit (int8: one shared activation scale)."""
     engine = TorchRolloutEngine(model, precision=precision)
     h = torch.randn(5, model.config.hidden_size)
-    for layer, fused in zip(engine.model.model.layers, engine._qkv):
+    for layer, fused in zip(engine.model.model.layers, engine.lean.qkv):
         assert (type(fused).__name__ if fused is not None else None) == fused_type
         if fused is None:
             continue
@@ -178,11 +179,11 @@ def test_silu_runs_in_place_and_other_activations_do_not(model):
     for silu in (act, torch.nn.SiLU()):
         x = torch.randn(4, 7)
         expected = torch.nn.functional.silu(x)
-        out = _act_in_place(silu, x)
+        out = act_in_place(silu, x)
         assert out.data_ptr() == x.data_ptr() and torch.equal(out, expected)
     x = torch.randn(4, 7)
     before = x.clone()
-    out = _act_in_place(torch.nn.GELU(), x)
+    out = act_in_place(torch.nn.GELU(), x)
     assert torch.equal(x, before) and torch.equal(out, torch.nn.functional.gelu(before))
 
 
@@ -192,10 +193,8 @@ def test_rope_equals_hf_rotate_half_exactly():
 
     torch.manual_seed(0)
     x, cos, sin = torch.randn(3, 4, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)  # x [N, heads, D]
-    torch.testing.assert_close(
-        _rope(x, cos, _sign_sin(sin)), x * cos + rotate_half(x) * sin, rtol=0, atol=1e-6
-    )
-    swapped_sign = _rope(x, torch.zeros_like(cos), _sign_sin(sin))  # rotate_half(x) * sin alone: exact
+    torch.testing.assert_close(rope(x, cos, sign_sin(sin)), x * cos + rotate_half(x) * sin, rtol=0, atol=1e-6)
+    swapped_sign = rope(x, torch.zeros_like(cos), sign_sin(sin))  # rotate_half(x) * sin alone: exact
     assert torch.equal(swapped_sign, rotate_half(x) * sin)
 
 
@@ -209,7 +208,7 @@ def test_residual_add_in_place_is_exact_and_leaves_the_stream_alone(backend):
     x, h = torch.randn(3, 8), torch.randn(3, 16)
     x_before = x.clone()
     with torch.inference_mode():
-        out = _linear_residual(x, h, linear)
+        out = linear_residual(x, h, linear)
         expected = x_before + linear(h)
     assert torch.equal(out, expected) and torch.equal(x, x_before) and out.data_ptr() != x.data_ptr()
 
@@ -257,6 +256,63 @@ def test_weight_sync_tracks_the_trainer(model, precision):
         assert torch.allclose(fresh.rollout_logprobs, batch.rollout_logprobs, atol=1e-6)
 
 
+def _state_with(model, name, value):
+    """``model``'s full weights and buffers as a sync, with tensor ``name`` replaced by ``value``."""
+    named = list(Policy(model).full_state_dict())
+    assert name in dict(named)
+    return [(n, value if n == name else t) for n, t in named]
+
+
+def _with_nan(t, index=(0, 0)):
+    t = t.clone()
+    t[index] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("precision, kv", [("fp32", None), ("int8", None), ("fp8", "fp8")])
+def test_rejected_sync_leaves_the_engine_exactly_as_before(model, precision, kv):
+    """A sync with one NaN weight (or one wrong shape, or one unknown name) is rejected as a whole, before
+    any weight is written: the engine generates exactly what it generated before (tokens and log-probs)."""
+    engine = TorchRolloutEngine(model, precision=precision, kv_cache_dtype=kv)
+    sampling = SamplingConfig(n=2, max_new_tokens=8, seed=4)
+    before = engine.generate(PROMPTS, sampling)
+    trained = _sgd_step(model)  # every other tensor of the rejected syncs is a real, different update
+    name = "model.layers.1.mlp.down_proj.weight"  # a quantized layer late in the sync order
+    w = dict(trained.named_parameters())[name]
+    bad_syncs = {
+        "non-finite": _state_with(trained, name, _with_nan(w, (3, 5))),
+        "shape": _state_with(trained, name, w[:, :-1]),
+        "not have": _state_with(trained, name, w) + [("model.layers.9.mlp.up_proj.weight", w)],
+    }
+    for match, named in bad_syncs.items():
+        with pytest.raises(ValueError, match=match) as err:
+            engine.sync_weights(named)
+        assert ("layers.9" if match == "not have" else name) in str(err.value)
+        after = engine.generate(PROMPTS, sampling)
+        assert torch.equal(after.response_ids, before.response_ids), match
+        assert torch.equal(after.rollout_logprobs, before.rollout_logprobs), match
+    engine.sync_weights(Policy(trained).full_state_dict())  # the engine still takes a good sync
+    synced = engine.generate(PROMPTS, sampling)
+    fresh = TorchRolloutEngine(trained, precision=precision, kv_cache_dtype=kv).generate(PROMPTS, sampling)
+    assert torch.equal(synced.response_ids, fresh.response_ids)
+    assert torch.equal(synced.rollout_logprobs, fresh.rollout_logprobs)
+
+
+def test_sync_checks_finiteness_after_the_cast_to_the_engine_dtype(model):
+    """3.4e38 is a finite float32 but rounds to inf in bfloat16: a bf16 engine rejects it, fp32 takes it."""
+    big = torch.full_like(model.model.norm.weight, 3.4e38)
+    assert torch.isfinite(big).all() and not torch.isfinite(big.bfloat16()).any()
+    named = [("model.norm.weight", big)]
+    bf16 = TorchRolloutEngine(model, precision="bf16")
+    before = bf16.model.model.norm.weight.clone()
+    with pytest.raises(ValueError, match="model.norm.weight has 128 non-finite.*torch.bfloat16"):
+        bf16.sync_weights(named)
+    assert torch.equal(bf16.model.model.norm.weight, before)
+    fp32 = TorchRolloutEngine(model)
+    fp32.sync_weights(named)
+    assert torch.equal(fp32.model.model.norm.weight, big)
+
+
 def test_sync_rejects_unknown_names_and_leaves_weights(model):
     engine = TorchRolloutEngine(model)
     before = engine.model.lm_head.weight.clone()
@@ -273,16 +329,50 @@ def test_sync_rejects_unknown_names_and_leaves_weights(model):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"precision": "fp16"}, "precision"),
-        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
-        ({"precision": "fp32", "backend": "emulate"}, "backend"),
-        ({"precision": "fp8", "backend": "int8"}, "backend"),
-        ({"compact_below": 1.0}, "compact_below"),
+        ({"precision": "fp16"}, "^precision='fp16'.*one of \\['fp32', 'bf16', 'fp8', 'fp4', 'int8', "),
+        ({"kv_cache_dtype": "int4"}, "^kv_cache_dtype='int4'.*one of \\[None, 'auto', 'fp8'\\]"),
+        (
+            {"precision": "fp32", "backend": "emulate"},
+            "^backend='emulate' is only used by TorchRolloutEngine with precision in",
+        ),
+        ({"precision": "int8", "backend": "fbgemm"}, "^backend='fbgemm'.*one of \\['emulate', 'int8'\\]"),
+        ({"precision": "fp8", "backend": "int8"}, "^backend='int8'.*must be 'emulate' or None"),
+        ({"compact_below": 1.0}, "^compact_below must be in \\[0, 1\\)"),
+        ({"compact_below": "0.5"}, "^compact_below must be a number"),
+        ({"pad_token_id": -1}, "^pad_token_id must be None or an int >= 0"),
     ],
 )
 def test_bad_config_raises(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
+        TorchRolloutEngine.check_args(**kwargs)  # config time: no model needed
+    with pytest.raises(ValueError, match=match):
         TorchRolloutEngine(model, **kwargs)
+
+
+def test_check_args_fills_the_constructor_defaults_and_normalizes():
+    assert TorchRolloutEngine.check_args() == {
+        "precision": "fp32",
+        "kv_cache_dtype": None,
+        "backend": None,
+        "pad_token_id": None,
+        "compact_below": 0.5,
+    }
+    args = TorchRolloutEngine.check_args(precision="fp4", kv_cache_dtype="auto")
+    assert (args["backend"], args["kv_cache_dtype"]) == ("emulate", None)
+    assert TorchRolloutEngine.check_args(precision="int8")["backend"] == "int8"
+    with pytest.raises(ValueError, match="^max_model_len: not an argument of TorchRolloutEngine.*it accepts"):
+        TorchRolloutEngine.check_args(max_model_len=64)
+
+
+def test_constructor_uses_the_checked_arguments(model):
+    engine = TorchRolloutEngine(model, precision="fp4", kv_cache_dtype="auto")
+    assert (engine.precision, engine.backend, engine.kv_cache_dtype, engine.kv_scales) == (
+        "fp4",
+        "emulate",
+        None,
+        None,
+    )
+    assert TorchRolloutEngine(model, kv_cache_dtype="fp8").kv_scales is not None
 
 
 def test_bad_prompts_raise(model):

@@ -153,19 +153,74 @@ def test_select_sync_tensors_rejects(named, match):
         select_sync_tensors(named, SHAPES)
 
 
+def test_select_sync_tensors_rejects_non_finite_values_in_the_engine_dtype():
+    """A NaN anywhere, or a float32 value that overflows the engine's bf16 weights, rejects the whole sync."""
+    nan = torch.ones(3, 2)
+    nan[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="1 tensors with NaN/inf values: model.layers.0.mlp.up_proj.weight"):
+        select_sync_tensors(
+            [("model.embed_tokens.weight", torch.zeros(4, 2)), ("model.layers.0.mlp.up_proj.weight", nan)],
+            SHAPES,
+        )
+    big = torch.full((4, 2), 3.4e38)  # finite in float32, inf once rounded to bfloat16 (max 3.39e38)
+    assert torch.isfinite(big).all() and not torch.isfinite(big.bfloat16()).any()
+    named = [("model.embed_tokens.weight", big), ("model.layers.0.mlp.up_proj.weight", torch.ones(3, 2))]
+    assert len(select_sync_tensors(named, SHAPES, dtype=torch.float32)) == 2
+    with pytest.raises(ValueError, match="NaN/inf values as torch.bfloat16: model.embed_tokens.weight"):
+        select_sync_tensors(named, SHAPES, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not tensors: model.embed_tokens.weight \\(list\\)"):
+        select_sync_tensors([("model.embed_tokens.weight", [0.0])] + named[1:], SHAPES)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(precision="fp4"), "precision"),
-        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
-        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-        (dict(max_model_len=1), "max_model_len"),
-        (dict(dtype="float16"), "dtype"),
+        (dict(precision="fp4"), "^precision"),
+        (dict(kv_cache_dtype="int8"), "^kv_cache_dtype"),
+        (dict(gpu_memory_utilization=1.5), "^gpu_memory_utilization"),
+        (dict(max_model_len=1), "^max_model_len"),
+        (dict(dtype="float16"), "^dtype"),
     ],
 )
 def test_engine_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         VLLMRolloutEngine("/nonexistent", **kwargs)
+    with pytest.raises(ValueError, match=match):  # the same check, before any model exists
+        VLLMRolloutEngine.check_args(**kwargs)
+
+
+def test_check_args_defaults_llm_kwargs_and_missing_vllm(monkeypatch):
+    from ais_lightning.rollout import engine_args
+
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    args = VLLMRolloutEngine.check_args(kv_cache_dtype=None, max_num_seqs=8)
+    assert args == {
+        "precision": "fp32",
+        "kv_cache_dtype": "auto",  # None (the config default) means vLLM's "auto"
+        "gpu_memory_utilization": None,
+        "max_model_len": 512,
+        "seed": 0,
+        "pad_token_id": None,
+        "llm_kwargs": {"max_num_seqs": 8},
+    }
+    monkeypatch.setattr(engine_args, "has_package", lambda name: name != "vllm")
+    with pytest.raises(
+        ValueError, match=r"VLLMRolloutEngine needs the vllm package.*pip install 'ais-lightning\[vllm"
+    ):
+        VLLMRolloutEngine.check_args()
+
+
+def test_fp8_kv_cache_needs_cuda_or_avx512(monkeypatch):
+    from ais_lightning.rollout import engine_args
+
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs CUDA or an AVX-512 CPU"):
+        VLLMRolloutEngine.check_args(kv_cache_dtype="fp8")
+    VLLMRolloutEngine.check_args(kv_cache_dtype="auto")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert VLLMRolloutEngine.check_args(kv_cache_dtype="fp8")["kv_cache_dtype"] == "fp8"
 
 
 # ----------------------------------------------------------------------------- engine (needs vLLM)

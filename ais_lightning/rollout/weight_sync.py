@@ -1,0 +1,82 @@
+"""All-or-nothing weight sync into an engine's private model: validate everything, then load.
+
+A sync carries the trainer's full weights and buffers as ``(name, tensor)`` pairs (e.g.
+``Policy.full_state_dict()``). :func:`validate_sync` checks the WHOLE sync before anything is
+written: every name is a parameter or buffer of the engine's model, every shape matches, and every
+floating-point value is finite *after the cast to the engine's dtype* (a float32 value beyond the
+bfloat16 range becomes inf in a bf16 engine). A rejected sync raises ValueError naming the tensor
+and leaves the model untouched; quantized layers would otherwise be left half re-quantized, and a
+NaN weight would only surface later as an out-of-range sampled token. :func:`load_validated` then
+copies, and :func:`requantize` re-derives the cached low-precision weights (``QuantLinear.refresh``).
+
+Names not sent keep their current value (a partial sync is allowed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+def sync_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> tensor of every parameter and buffer of ``model`` (tied or shared ones under each name)."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    return targets
+
+
+def _shown(names: list[str], limit: int = 10) -> str:
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+def validate_sync(
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Check a whole sync against ``model``; return ``(target, value)`` pairs to :func:`load_validated`.
+
+    Raises ValueError, before anything is written, on: names the model does not have (all of them
+    listed), a value that is not a tensor, a shape mismatch, or a floating-point value with a NaN/inf
+    once cast to the target's dtype (the first offending tensor named). The cast is checked one
+    tensor at a time (peak extra memory: one tensor).
+    """
+    incoming = list(named_tensors)
+    targets = sync_targets(model)
+    unknown = sorted({name for name, _ in incoming} - set(targets))
+    if unknown:
+        raise ValueError(
+            f"sync_weights got {len(unknown)} names the engine's model does not have: {_shown(unknown)}"
+        )
+    pairs = []
+    for name, value in incoming:
+        target = targets[name]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"sync_weights: {name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.shape != target.shape:
+            raise ValueError(
+                f"sync_weights: {name} has shape {tuple(value.shape)}, the engine's model has {tuple(target.shape)}"
+            )
+        if target.is_floating_point():
+            cast = value.detach().to(dtype=target.dtype)  # no copy when the dtype already matches
+            if not bool(torch.isfinite(cast).all()):
+                bad = int((~torch.isfinite(cast)).sum())
+                raise ValueError(
+                    f"sync_weights: {name} has {bad} non-finite value(s) (NaN/inf) as {target.dtype}; "
+                    "the sync was rejected and the engine keeps its previous weights"
+                )
+        pairs.append((target, value))
+    return pairs
+
+
+@torch.no_grad()
+def load_validated(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each value into its target, cast to the target's dtype and device."""
+    for target, value in pairs:
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def requantize(layers: Iterable[nn.Module]) -> None:
+    """Re-derive the cached low-precision weights of ``layers`` (``QuantLinear.refresh``) after a load."""
+    for layer in layers:
+        layer.refresh()

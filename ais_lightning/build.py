@@ -111,8 +111,21 @@ def _check_missing(cfg: DictConfig) -> None:
         )
 
 
-def _check_combination(c: Components, cfg: DictConfig) -> None:
+def _check_combination(c: Components, cfg: DictConfig, engine_cls: type) -> None:
     """The rules that involve several groups."""
+    policy_family = getattr(c.policy, "MODEL_FAMILY", "autoregressive")
+    engine_family = getattr(engine_cls, "MODEL_FAMILY", "autoregressive")
+    if policy_family != engine_family:
+        raise ValueError(
+            f"rollout._target_={cfg.rollout._target_} samples {engine_family} models but the policy "
+            f"({cfg.policy._target_}) is {policy_family}: pick a rollout option of the policy's family"
+        )
+    length = getattr(c.policy, "response_length", None)
+    if length is not None and length != c.algorithm.max_new_tokens:
+        raise ValueError(
+            f"policy.response_length={length} must equal algorithm.max_new_tokens={c.algorithm.max_new_tokens} "
+            "(a masked-diffusion policy is warm-started on the canvas length its engine samples)"
+        )
     own = getattr(c.loss, "own_correction", None)
     if own and not isinstance(c.corrector, NoCorrection):
         raise ValueError(
@@ -150,5 +163,5 @@ def validate(cfg: DictConfig) -> Components:
     components = Components(
         engine=functools.partial(engine_cls, **engine_args), eval_engine=eval_engine, **built
     )
-    _check_combination(components, cfg)
+    _check_combination(components, cfg, engine_cls)
     return components

@@ -91,5 +91,11 @@ class Pretrained:
         )
 
 
-POLICIES: dict[str, type] = {"tiny_qwen3": TinyQwen3, "local": Pretrained}
+def _policies() -> dict[str, type]:
+    from ais_lightning.policy.diffusion import TinyLLaDA
+
+    return {"tiny_qwen3": TinyQwen3, "local": Pretrained, "tiny_llada": TinyLLaDA}
+
+
+POLICIES: dict[str, type] = _policies()
 """Config names of the built-in policy options (``conf/policy``)."""

@@ -23,12 +23,16 @@ samplers. The probability of step ``s`` is ``P(positions S_s | x_s) * prod_{t in
   is the same under pi and mu and cancels: the product of the per-token path ratios IS the trajectory
   ratio, and its log-gradient is the policy gradient of the sampler (exact correction).
 - ``remasking="low_confidence"``: the kept positions are those whose candidates were most probable, so
-  ``P(S_s | x_s) = prod_{j masked, not kept} P_{c ~ p_j}(p_j(c) < tau_s)`` with ``tau_s`` the lowest kept
-  confidence: it depends on theta, and on the precision. The per-token path ratio then corrects the token
-  choices *given the positions the engine picked*, not the choice of positions. That selection factor is
-  a hard threshold on model confidences: a 1e-3 shift of ``tau_s`` can move it from ~1 to ~0.01, so its
-  exact ratio is heavy-tailed; the token factors are the smooth, well-defined part the correctors use.
-  Use ``remasking="random"`` when the correction must be exact.
+  ``P(S_s | x_s) = prod_{j re-masked} P_{c ~ q_j}(p_j(c) < tau_s)`` (``q_j = softmax(f_j / T)`` draws the
+  candidate, ``p_j = softmax(f_j)`` is its confidence, ``tau_s`` the lowest kept confidence;
+  :func:`low_confidence_selection_logprobs`): it depends on theta, and on the precision. The per-token
+  path ratio corrects the token choices *given the positions the engine picked*, not the choice of
+  positions. The selection factor is a hard threshold on confidences: when a re-masked position's top
+  token is about as confident as the kept ones (the EOS tail of a trained model, p ~ 1 everywhere), a
+  rounding-size shift of ``tau_s`` moves it from ~1 to ~1 - p ~ 1e-5. Its exact pi/mu ratio is
+  dominated by such near-ties (measured in ``docs/diffusion.md``: 18 nats per sequence at the 99th
+  percentile at bf16, where the token factors differ by 0.28), so the token factors are what the
+  correctors use. Use ``remasking="random"`` when the correction must be exact.
 
 The alternative, diffu-GRPO's one-step mean-field estimate (d1, Zhao et al. 2025, arXiv 2504.12216;
 ``_get_per_token_logps`` in ``diffu-grpo/diffu_grpo_trainer.py`` of GitHub dllm-reasoning/d1: completion
@@ -38,7 +42,7 @@ an importance ratio between the two samplers (a mismatch that only shows in part
 i.e. every step after the first, is invisible to it). It is not implemented here.
 
 SFT: LLaDA's masked-token loss (``GUIDELINES.md`` of GitHub ML-GSAI/LLaDA, section SFT; Nie et al. 2025,
-Eq. 5): per row a ratio ``t ~ U(0, 1)``, mask probability ``p = (1 - eps) t + eps``, every completion token
+Eq. 5): per row a ratio ``t ~ U[0, 1)``, mask probability ``p = (1 - eps) t + eps``, every completion token
 (the reference answer + EOS, the tail filled with EOS up to ``response_length``: LLaDA's SFT padding) masked
 independently with probability ``p``, the prompt never masked; loss = mean over rows of
 ``sum_{masked} -log p_theta(x_i | x_t) / p / |answer|`` (:func:`masked_diffusion_loss`), an upper bound on
@@ -57,7 +61,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -78,8 +82,10 @@ __all__ = [
     "DiffusionPolicy",
     "TinyLLaDA",
     "forward_process",
+    "low_confidence_selection_logprobs",
     "masked_diffusion_loss",
     "path_contexts",
+    "selection_event_logprob",
     "tiny_diffusion_policy",
 ]
 
@@ -174,6 +180,32 @@ def path_contexts(
     return contexts, rows, which
 
 
+def selection_event_logprob(
+    logits: torch.Tensor, threshold: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``log P_{c ~ softmax(l / T)}(softmax(l)_c < threshold)`` per row: ``logits`` ``[M, V]``, ``threshold`` ``[M]``.
+
+    The probability that low-confidence remasking does NOT keep a position whose candidate is drawn from
+    ``softmax(l / T)`` while the lowest kept confidence is ``threshold`` (confidences are T = 1
+    probabilities, as in LLaDA's ``generate.py``). ``T == 0`` (greedy): the candidate is the argmax, so it is
+    0 when its probability is below ``threshold`` and ``-inf`` otherwise. ``[M]`` float32.
+    """
+    if logits.dim() != 2 or threshold.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be [M, V] and threshold [M], got {tuple(logits.shape)}, {tuple(threshold.shape)}"
+        )
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float()
+    confidence = logits.softmax(-1)  # [M, V]
+    below = confidence < threshold[:, None]  # [M, V]
+    if temperature == 0:
+        top = below.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)  # [M]
+        return torch.where(top, 0.0, float("-inf"))
+    logq = (logits / temperature).log_softmax(-1)  # [M, V]
+    return torch.logsumexp(logq.masked_fill(~below, float("-inf")), dim=-1)  # [M], -inf if nothing is below
+
+
 def _score_positions(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -232,6 +264,9 @@ class DiffusionPolicy(Policy):
         mask_eps: LLaDA's ``eps`` (:func:`forward_process`).
         aligned_quantization: QaRL's rollout-aligned forward (as :class:`ais_lightning.policy.Policy`).
     """
+
+    MODEL_FAMILY: ClassVar[str] = "masked_diffusion"
+    """Pairs with engines of the same ``MODEL_FAMILY`` (:class:`ais_lightning.rollout.diffusion_engine.DiffusionRolloutEngine`)."""
 
     def __init__(
         self,
@@ -456,6 +491,48 @@ class DiffusionPolicy(Policy):
         return masked_diffusion_loss(lp[:, plen:], masked, answer, p_mask)
 
 
+@torch.no_grad()
+def low_confidence_selection_logprobs(
+    model: nn.Module, batch: RolloutBatch, schedule: list[Any], temperature: float
+) -> torch.Tensor:
+    """Log-probability, under ``model``, of the POSITION choices of low-confidence remasking on a batch's path.
+
+    At step ``s`` the sampler kept the positions ``K_s`` (``extras["unmask_step"] == s``) of the block of
+    ``schedule[s]`` and re-masked the other still-masked ones ``R_s`` of that block. Given the kept tokens,
+    the probability that exactly ``K_s`` is kept is ``prod_{j in R_s} P_{c ~ q_j}(p_j(c) < tau_s)`` (candidates
+    are drawn independently per position; ``tau_s = min_{i in K_s} p_i(x_i)``; :func:`selection_event_logprob`).
+    The full path log-probability is this plus the token log-probs of every position (tail included).
+    Returns ``[B, S]`` float32 (0 for steps that keep a whole block's remainder). An analysis function
+    (``tools/diffusion_mismatch.py``): the correctors do not use it (see the module docstring for why).
+    ``model`` is any mask predictor (the trainer's, or an engine's quantized copy: its step ``s`` forward
+    over all ``B`` rows is exactly the engine's). ``schedule``: the engine's ``schedule(T)``.
+    """
+    canvas, steps = batch.extras["canvas_ids"], batch.extras["unmask_step"]
+    b, t = canvas.shape
+    if len(schedule) != int(steps.max()) + 1:
+        raise ValueError(f"schedule has {len(schedule)} steps but the batch used {int(steps.max()) + 1}")
+    mask_id = int(model.config.mask_token_id)
+    attention = torch.cat([batch.prompt_mask, torch.ones_like(canvas, dtype=torch.bool)], dim=1)  # [B, P+T]
+    positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
+    plen = batch.prompt_ids.shape[1]
+    cols = torch.arange(t, device=canvas.device)[None, :]  # [1, T]
+    out = torch.zeros((b, len(schedule)), dtype=torch.float32, device=canvas.device)  # [B, S]
+    for s, step in enumerate(schedule):
+        in_block = (cols >= step.block_start) & (cols < step.block_end)  # [1, T]
+        kept, rest = steps == s, in_block & (steps > s)  # [B, T]
+        if not bool(rest.any()):
+            continue
+        context = torch.where(steps < s, canvas, mask_id)  # [B, T]
+        hidden = model.get_decoder()(torch.cat([batch.prompt_ids, context], dim=1), attention, positions)
+        logits = model.get_output_embeddings()(hidden[:, plen:]).float()  # [B, T, V]
+        conf = logits.softmax(-1).gather(-1, canvas[..., None]).squeeze(-1)  # [B, T]
+        tau = torch.where(kept, conf, float("inf")).min(-1).values  # [B]
+        rows, where = rest.nonzero(as_tuple=True)
+        logp = selection_event_logprob(logits[rows, where], tau[rows], temperature)  # [M]
+        out[:, s].index_add_(0, rows, logp)
+    return out
+
+
 def tiny_diffusion_policy(
     seed: int = 0,
     dtype: str = "float32",
@@ -499,6 +576,9 @@ class TinyLLaDA:
     """LLaDA's minimum masking probability in the SFT loss."""
     aligned_quantization: str | None = None
     """QaRL: an ``ais_lightning.quant`` recipe the trainer's forward runs through (None = off)."""
+
+    MODEL_FAMILY: ClassVar[str] = DiffusionPolicy.MODEL_FAMILY
+    """The family of the policy it builds (not a config field)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

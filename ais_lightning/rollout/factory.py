@@ -17,13 +17,14 @@ from torch import nn
 
 from ais_lightning.rollout.base import RolloutEngine
 
-ENGINES = ("torch", "vllm", "te")
+ENGINES = ("torch", "vllm", "te", "diffusion")
 """Engine names ``build_engine`` knows."""
 
 _ENGINE_CLASSES = {
     "torch": ("ais_lightning.rollout.torch_engine", "TorchRolloutEngine"),
     "vllm": ("ais_lightning.rollout.vllm_engine", "VLLMRolloutEngine"),
     "te": ("ais_lightning.rollout.te_engine", "TERolloutEngine"),
+    "diffusion": ("ais_lightning.rollout.diffusion_engine", "DiffusionRolloutEngine"),
 }
 
 

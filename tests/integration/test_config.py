@@ -68,6 +68,8 @@ def test_every_option_of_the_remaining_groups_composes(group):
                 validate(make("policy=local"))
             continue
         extra = ["corrector=none"] if (group, name) in (("loss", "bypass"), ("loss", "tbpo")) else []
+        if (group == "rollout" and name.startswith("llada")) or (group, name) == ("policy", "tiny_llada"):
+            extra = ["policy=tiny_llada", "rollout=llada_fp32", f"{group}={name}"]  # one model family
         validate(make(f"{group}={name}", *extra))
 
 
@@ -120,6 +122,13 @@ def test_wrong_type_fails_at_composition_naming_the_key():
 def test_contradictory_values_fail_validation_naming_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate(make(override))
+
+
+def test_a_policy_and_an_engine_of_different_model_families_are_refused():
+    with pytest.raises(ValueError, match="masked_diffusion"):
+        validate(make("policy=tiny_llada"))  # with the autoregressive default rollout=int8
+    with pytest.raises(ValueError, match="response_length"):
+        validate(make("policy=tiny_llada", "rollout=llada_fp4", "policy.response_length=5"))
 
 
 def test_qarl_sets_the_aligned_forward_and_needs_a_quantized_rollout():

@@ -81,20 +81,22 @@ def build_option(cfg: DictConfig, group: str, **runtime: Any) -> Any:
         raise ValueError(_explain(group, node, cause)) from cause
 
 
-def check_engine(cfg: DictConfig) -> Callable[..., Any]:
-    """The engine class of ``cfg.rollout``, its arguments checked without building a model."""
+def check_engine(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
+    """The engine class of ``cfg.rollout`` and its arguments, checked (and completed with the
+    constructor's defaults by its ``check_args``, if it has one) without building a model."""
     node = cfg.rollout
     try:
         engine_cls = get_object(node._target_)
     except Exception as err:
         raise ValueError(f"rollout._target_={node._target_!r} cannot be imported: {err}") from err
+    args = _arguments(node)
     check = getattr(engine_cls, "check_args", None)
     if check is not None:
         try:
-            check(**_arguments(node))
+            args = {**args, **(check(**args) or {})}
         except (TypeError, ValueError) as err:
             raise ValueError(_explain("rollout", node, err)) from err
-    return engine_cls
+    return engine_cls, args
 
 
 def _check_missing(cfg: DictConfig) -> None:
@@ -111,7 +113,7 @@ def _check_missing(cfg: DictConfig) -> None:
         )
 
 
-def _check_combination(c: Components, cfg: DictConfig, engine_cls: type) -> None:
+def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_args: dict[str, Any]) -> None:
     """The rules that involve several groups."""
     policy_family = getattr(c.policy, "MODEL_FAMILY", "autoregressive")
     engine_family = getattr(engine_cls, "MODEL_FAMILY", "autoregressive")
@@ -138,6 +140,11 @@ def _check_combination(c: Components, cfg: DictConfig, engine_cls: type) -> None
             "algorithm.top_p/top_k renormalize mu over the kept tokens; with a corrector on keep top_p=1.0 "
             "and top_k=0"
         )
+    if c.trainer.on_gpu() and engine_args.get("backend") == "int8" and engine_args.get("device") != "cpu":
+        raise ValueError(
+            "rollout=int8 (fbgemm W8A8) runs on CPU; with a GPU trainer pick rollout=bf16/fp8_gemm/te_fp8/"
+            "vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
+        )
     aligned = getattr(c.policy, "aligned_quantization", None)
     if aligned is not None and c.trainer.strategy != "auto":
         raise ValueError(
@@ -153,7 +160,7 @@ def validate(cfg: DictConfig) -> Components:
     Nothing heavy is built: no model, no engine.
     """
     _check_missing(cfg)
-    engine_cls = check_engine(cfg)
+    engine_cls, checked_args = check_engine(cfg)
     built = {g: build_option(cfg, g) for g in GROUPS if g != "rollout"}
     engine_args = _arguments(cfg.rollout)
     eval_engine = None
@@ -163,5 +170,5 @@ def validate(cfg: DictConfig) -> Components:
     components = Components(
         engine=functools.partial(engine_cls, **engine_args), eval_engine=eval_engine, **built
     )
-    _check_combination(components, cfg, engine_cls)
+    _check_combination(components, cfg, engine_cls, checked_args)
     return components

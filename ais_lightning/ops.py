@@ -31,22 +31,35 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.
     return ids, mask
 
 
+def _map_fields(value: Any, on_tensor: Any, on_list: Any) -> Any:
+    """Apply ``on_tensor`` to every tensor and ``on_list`` to every list of a tensor / list / dict / dataclass."""
+    if isinstance(value, torch.Tensor):
+        return on_tensor(value)
+    if isinstance(value, list):
+        return on_list(value)
+    if isinstance(value, dict):
+        return {k: _map_fields(v, on_tensor, on_list) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: _map_fields(getattr(value, f.name), on_tensor, on_list)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
+
+
 def take_rows(value: Any, index: torch.Tensor) -> Any:
     """The rows ``index`` (``[R]`` long) of ``value``: a tensor (first dim), a list, or a dict or dataclass
     of those (recursively, so one call slices a whole rollout step); anything else is returned as is.
     """
-    if isinstance(value, torch.Tensor):
-        return value[index]
-    if isinstance(value, list):
-        return [value[i] for i in index.tolist()]
-    if isinstance(value, dict):
-        return {k: take_rows(v, index) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: take_rows(getattr(value, f.name), index) for f in dataclasses.fields(value) if f.init
-        }
-        return dataclasses.replace(value, **changes)
-    return value
+    rows = index.tolist()
+    return _map_fields(value, lambda t: t[index.to(t.device)], lambda items: [items[i] for i in rows])
+
+
+def to_device(value: Any, device: torch.device | str) -> Any:
+    """``value`` (a tensor, or a dict / dataclass of tensors, recursively) with every tensor on ``device``."""
+    return _map_fields(value, lambda t: t.to(device), lambda items: items)
 
 
 def check_mask(mask: torch.Tensor, name: str = "mask") -> None:

@@ -8,7 +8,8 @@ from typing import Any
 
 STRATEGIES = ("auto", "fsdp2", "fsdp")
 """``auto`` (one process), ``fsdp2`` (ModelParallelStrategy, FSDP2 ``fully_shard``; runs on CPU over gloo
-and on GPUs over NCCL), ``fsdp`` (Lightning's FSDPStrategy, FSDP1, CUDA only)."""
+and on GPUs over NCCL: ``trainer=fsdp2`` and ``trainer=fsdp_gpu``), ``fsdp`` (Lightning's FSDPStrategy,
+FSDP1, CUDA only; ``Policy.full_state_dict`` then needs ``fsdp_root``, see its docstring)."""
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 
 
@@ -59,14 +60,54 @@ class TrainerSettings:
         per_node = self.devices if isinstance(self.devices, int) else len(self.devices or []) or 1
         return per_node * self.num_nodes
 
+    def on_gpu(self) -> bool:
+        """Whether the run trains on CUDA GPUs (``auto`` picks them when CUDA is available, as Lightning does)."""
+        import torch
+
+        if self.accelerator == "auto":
+            return torch.cuda.is_available()
+        return self.accelerator in ("gpu", "cuda")
+
+    def devices_per_node(self) -> int:
+        """Processes per node as Lightning will start them: an int, a list of ids, ``"auto"``/-1/``"-1"``
+        (every visible GPU; one CPU process), or a string of ids (``"0,1"``) or a count (``"2"``)."""
+        import torch
+
+        devices = self.devices
+        if isinstance(devices, str) and devices.strip() not in ("auto", "-1"):
+            text = devices.strip()
+            if "," in text:
+                return len([d for d in text.split(",") if d.strip()])
+            return int(text)
+        if isinstance(devices, (list, tuple)):
+            return len(devices)
+        if devices in ("auto", -1) or (isinstance(devices, str) and devices.strip() in ("auto", "-1")):
+            return max(torch.cuda.device_count(), 1) if self.on_gpu() else 1
+        return int(devices)
+
     def strategy_object(self, decoder_layer: type | None = None) -> Any:
-        """The Lightning strategy for ``strategy`` (``decoder_layer``: FSDP1's auto-wrap unit)."""
+        """The Lightning strategy for ``strategy`` (``decoder_layer``: FSDP1's auto-wrap unit).
+
+        ``fsdp2``: Lightning's ``ModelParallelStrategy`` with every process in the data-parallel dimension
+        (``data_parallel_size`` = devices x nodes, ``tensor_parallel_size=1``: the device mesh FSDP2 shards
+        over); gloo on CPU, NCCL on GPUs. Its ``"auto"`` data-parallel size would be the node count
+        (``strategies/model_parallel.py``, ``setup_environment``), which fails the mesh check
+        ``data_parallel_size * tensor_parallel_size == world_size`` of any multi-device node.
+        """
         if self.strategy == "fsdp2":
+            import torch
             from lightning.pytorch.strategies import ModelParallelStrategy
 
-            backend = "gloo" if self.accelerator == "cpu" else None
+            gpu = self.on_gpu()
+            if gpu and not torch.cuda.is_available():
+                raise ValueError(
+                    f"trainer.accelerator={self.accelerator} with trainer.strategy=fsdp2 (FSDP2 over NCCL) "
+                    "needs CUDA GPUs; none is available (on CPU use trainer=fsdp2: gloo)"
+                )
             return ModelParallelStrategy(
-                data_parallel_size="auto", tensor_parallel_size=1, process_group_backend=backend
+                data_parallel_size=self.devices_per_node() * self.num_nodes,
+                tensor_parallel_size=1,
+                process_group_backend="nccl" if gpu else "gloo",
             )
         if self.strategy == "fsdp":
             import torch

@@ -168,6 +168,9 @@ class GRPOModule(LightningModule):
             raise ValueError(
                 "policy.tokenizer is None: the GRPO module encodes prompts with the policy's tokenizer"
             )
+        from ais_lightning.policy.builders import check_aligned_schedule_engine
+
+        check_aligned_schedule_engine(getattr(policy, "aligned_schedule", None), engine_factory)
         self.automatic_optimization = False
         self.policy = policy
         self.task = task
@@ -237,13 +240,41 @@ class GRPOModule(LightningModule):
 
     def on_train_start(self) -> None:
         """Build the engines once the weights (possibly restored from a checkpoint) are in place."""
-        state = self.policy.full_state_dict()
+        state = self._full_state()
         self.engine = self._build_engine(self.engine_factory, state)
         if self.eval_engine_factory is not None:
             self.eval_engine = self._build_engine(self.eval_engine_factory, state)
+        self.apply_precision_schedule()  # a resumed run lands in the stage of its step
+
+    def apply_precision_schedule(self) -> dict[str, float]:
+        """Progressive precision: move the aligned forward and the rollout engine to this step's stage together.
+
+        With ``policy.aligned_schedule`` (Bit-by-Bit, e.g. int8 -> int4 -> int2) the stage is a function of
+        the rollout step alone, so this is idempotent and a resumed run lands in the right stage. The
+        trainer's quantized linears switch recipe (fp32 master weights and optimizer state untouched) and the
+        engine switches its precision in place (``engine.set_precision``). Returns the ``quant/stage`` and
+        ``quant/bits`` (weight bits) to log; empty without a schedule.
+        """
+        if getattr(self.policy, "aligned_schedule", None) is None:
+            return {}
+        from ais_lightning.quant import FORMATS, get_recipe
+
+        step = self.rollout_step
+        recipe = self.policy.set_aligned_step(step)
+        if self.engine is not None and getattr(self.engine, "precision", recipe) != recipe:
+            if not callable(getattr(self.engine, "set_precision", None)):
+                raise ValueError(
+                    f"policy.aligned_schedule moves to {recipe!r} at rollout step {step}, but the rollout engine "
+                    f"{type(self.engine).__name__} cannot switch its precision (no set_precision)"
+                )
+            self.engine.set_precision(recipe)
+        return {
+            "quant/stage": float(self.policy.aligned_stage_at(step)),
+            "quant/bits": float(FORMATS[get_recipe(recipe).weight_fmt].bits),
+        }
 
     def _build_engine(self, factory: EngineFactory, state: list[tuple[str, torch.Tensor]]) -> RolloutEngine:
-        fresh = self.policy.fresh_model()  # unsharded model of the same config, CPU
+        fresh = self.policy.fresh_model().to(self.device)  # unsharded model of the same config
         engine = factory(fresh)
         engine.sync_weights(state)
         return engine
@@ -275,7 +306,7 @@ class GRPOModule(LightningModule):
         row_prompts = [prompts[i] for i in index]
         row_fields = {k: [v[i] for i in index] for k, v in fields.items()}
         rewards, n_failed = safe_rewards(self.task.reward, row_prompts, completions, row_fields)
-        return torch.as_tensor(rewards, dtype=torch.float32), int(n_failed)
+        return torch.as_tensor(rewards, dtype=torch.float32, device=self.device), int(n_failed)
 
     def collect_experience(
         self, prompts: list[str], fields: dict[str, list]
@@ -288,7 +319,7 @@ class GRPOModule(LightningModule):
         assert self.engine is not None, "on_train_start builds the engine"
         t0 = time.perf_counter()
         sampling = dataclasses.replace(self.sampling, seed=self._sampling_seed())
-        batch = self.engine.generate(self.encode_prompts(prompts), sampling)
+        batch = ops.to_device(self.engine.generate(self.encode_prompts(prompts), sampling), self.device)
         rollout_time = time.perf_counter() - t0
 
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
@@ -400,9 +431,23 @@ class GRPOModule(LightningModule):
             rollout_logprobs=part.rollout.rollout_logprobs,
         )
 
+    def _fsdp1_root(self) -> nn.Module | None:
+        """The FSDP1 root around the policy (Lightning's ``FSDPStrategy``), else None (FSDP2, one process)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = self.trainer.strategy.model if self._trainer is not None else None
+        return model if isinstance(model, FullyShardedDataParallel) else None
+
+    def _full_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's full weights and buffers for the engines (gathered out of FSDP1 or FSDP2)."""
+        return self.policy.full_state_dict(fsdp_root=self._fsdp1_root())
+
     def _grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
+        root = self._fsdp1_root()
+        if root is not None:  # FSDP1 shards flat parameters: only the root knows the global norm
+            return root.clip_grad_norm_(max_norm)
+        params = [p for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -421,7 +466,9 @@ class GRPOModule(LightningModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         prompts = batch["prompt"]
         fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
+        stage = self.apply_precision_schedule()
         exp, stats = self.collect_experience(prompts, fields)
+        stats.update(stage)
         if exp is None:  # non-finite log-probs: nothing reaches the weights, the engine keeps its copy
             n = self.settings.optimizer_steps_per_rollout
             for _ in range(n):
@@ -436,7 +483,7 @@ class GRPOModule(LightningModule):
         all_skipped = stats["train/skipped_updates"] == self.settings.optimizer_steps_per_rollout
         t1 = time.perf_counter()
         assert self.engine is not None
-        self.engine.sync_weights(self.policy.full_state_dict())
+        self.engine.sync_weights(self._full_state())
         stats["time/sync_s"] = time.perf_counter() - t1
 
         # Metrics are synced across ranks by compute() (sum-reduced states), then reset per step.
@@ -490,7 +537,7 @@ class GRPOModule(LightningModule):
         for name, engine in engines.items():
             if engine is None:
                 continue
-            out = engine.generate(self.encode_prompts(prompts), greedy)
+            out = ops.to_device(engine.generate(self.encode_prompts(prompts), greedy), self.device)
             rewards, _ = self.score(out, prompts, fields)
             self.log(f"val/reward_{name}", rewards.mean(), batch_size=len(prompts), sync_dist=True)
             self.log(
@@ -503,8 +550,10 @@ class GRPOModule(LightningModule):
     def on_validation_start(self) -> None:
         if self.engine is None:  # validation before training (sanity check) or trainer.validate
             self.on_train_start()
-        elif self.eval_engine is not None:
-            self.eval_engine.sync_weights(self.policy.full_state_dict())
+        else:
+            self.apply_precision_schedule()  # validate the engine at the stage of the step reached
+            if self.eval_engine is not None:
+                self.eval_engine.sync_weights(self._full_state())
 
     # ------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

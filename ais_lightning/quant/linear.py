@@ -11,8 +11,14 @@ Backends:
   is quantized exactly like the emulated recipe (per output channel, symmetric); fbgemm quantizes
   the *activation* per tensor, asymmetric uint8 with a 7-bit range (``reduce_range``), not per token,
   so its numerics differ slightly from ``backend="emulate"`` with the int8 recipe.
-- ``"fp8_gemm"`` (CUDA): ``torch._scaled_mm`` with E4M3 data and per-tensor or per-row scales
-  (recipes ``fp8_tensor``, ``fp8_channel``). Refuses a non-CUDA weight.
+- ``"fp8_gemm"`` (CUDA): the real FP8 GEMM, ``torch._scaled_mm`` on E4M3 data. Recipes ``fp8_tensor``
+  (per-tensor scales) and ``fp8_channel`` (per-row: weight per output channel, activation per token) run
+  wherever ``_scaled_mm`` has them (compute capability >= 8.9); ``fp8`` / ``fp8_block`` run the
+  blockwise form of the emulated ``fp8`` recipe (1x128 activation groups x 128x128 weight blocks,
+  DeepSeek-V3), which torch only has on Hopper (compute capability 9.x) with CUDA/cuBLASLt >= 12.9
+  (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_check_deepseek_support``; on Blackwell the block-scaled
+  FP8 GEMM is MXFP8's, a different recipe). :func:`fp8_gemm_requirement` names what a device lacks.
+  Refuses a non-CUDA weight (the CPU kernel exists for tensor/row scales but is slower than emulation).
 
 Recipes with ``ocs_ratio > 0`` (emulate only) split the weight's outlier input channels at every
 refresh (:func:`ais_lightning.quant.ocs.ocs_split`, rounding-aware for the recipe's weight grid) and run
@@ -49,8 +55,11 @@ BACKENDS = ("emulate", "int8", "fp8_gemm")
 DEFAULT_SKIP = ("embed", "lm_head", "norm")
 """Module-name substrings kept in high precision by :func:`quantize_model` when ``skip=None``."""
 
-FP8_GEMM_RECIPES = ("fp8_tensor", "fp8_channel")
-"""Recipes the ``fp8_gemm`` backend supports (per-tensor / per-row scales of ``torch._scaled_mm``)."""
+FP8_GEMM_RECIPES = ("fp8_tensor", "fp8_channel", "fp8_block")
+"""Recipes the ``fp8_gemm`` backend runs (``fp8`` is ``fp8_block``): per-tensor, per-row and blockwise
+scales of ``torch._scaled_mm``."""
+FP8_GEMM_BLOCKWISE = ("fp8_block",)
+"""``fp8_gemm`` recipes that need the blockwise (1x128 x 128x128) ``_scaled_mm``: Hopper, CUDA >= 12.9."""
 
 
 def _quantized_engine_reduce_range() -> bool:
@@ -74,6 +83,83 @@ def int8_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
         return torch.ops.quantized.linear_prepack(qweight, b)
 
 
+def fp8_gemm_requirement(
+    recipe: str, capability: tuple[int, int] | None, cuda_version: tuple[int, ...] = ()
+) -> str | None:
+    """What a device lacks to run ``recipe`` on the ``fp8_gemm`` backend, or None if it runs there.
+
+    ``capability``: the CUDA compute capability, None for a non-CUDA device; ``cuda_version``: the CUDA
+    version of the torch build (``torch.version.cuda``, a proxy for the bundled cuBLASLt). Follows torch's
+    ``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_scaled_mm`` needs compute capability >= 8.9
+    (``scaled_mm_arch_allowed``); the DeepSeek-style 1x128 x 128x128 scaling needs major == 9 and
+    cuBLASLt >= 12.9 (``_check_deepseek_support``; the 1x128 scale mode is
+    ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F``, CUDA >= 12.9).
+    """
+    name = get_recipe(recipe).name
+    if name not in FP8_GEMM_RECIPES:
+        return f"backend 'fp8_gemm' runs recipes {list(FP8_GEMM_RECIPES)} (fp8 = fp8_block), not {name!r}"
+    if capability is None:
+        return "backend 'fp8_gemm' needs a CUDA GPU (torch._scaled_mm FP8 kernels)"
+    if tuple(capability) < (8, 9):
+        return (
+            f"backend 'fp8_gemm' needs compute capability >= 8.9 (FP8 tensor cores: Ada, Hopper, Blackwell), "
+            f"the GPU has {capability[0]}.{capability[1]}"
+        )
+    if name in FP8_GEMM_BLOCKWISE:
+        if capability[0] != 9:
+            return (
+                f"recipe {name!r} on backend 'fp8_gemm' needs the blockwise torch._scaled_mm (1x128 activation "
+                f"x 128x128 weight scales), which torch runs on Hopper only (compute capability 9.x), the GPU "
+                f"has {capability[0]}.{capability[1]}; use recipe 'fp8_channel' on this GPU, or backend "
+                "'emulate' for the blockwise numerics"
+            )
+        if tuple(cuda_version) < (12, 9):
+            shown = ".".join(map(str, cuda_version)) or "none"
+            return (
+                f"recipe {name!r} on backend 'fp8_gemm' needs CUDA/cuBLASLt >= 12.9 for blockwise "
+                f"torch._scaled_mm, this torch build has CUDA {shown}"
+            )
+    return None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (2-D) with the same values laid out column-major: strides ``(1, rows)``."""
+    return scale.t().contiguous().t()
+
+
+def blockwise_weight_operands(weight_fp8: torch.Tensor, block_scale: torch.Tensor) -> tuple:
+    """``(mat2, scale_b)`` of a blockwise ``torch._scaled_mm`` from a weight quantized in 128x128 blocks.
+
+    ``weight_fp8``: ``[N, K]`` E4M3, row-major; ``block_scale``: ``[ceil(N/128), ceil(K/128)]`` float32,
+    the dequantization scales (``w ~= weight_fp8 * scale`` per block). Returns ``mat2`` = the transpose of
+    a contiguous ``weight_fp8`` (``[K, N]``, column-major; block quantization of a weight whose dims are
+    not multiples of 128 returns a strided slice of its padded blocks) and ``scale_b = block_scale.contiguous().t()`` (``[ceil(K/128), ceil(N/128)]``,
+    strides ``(1, ceil(K/128))``): the layout ``is_blockwise_128x128_scaling(mat2.t(), scale_b.t())`` of
+    torch's ``ScaledBlas.cpp`` accepts, as in torch's own test (``w_inverse_scale.t()``).
+    """
+    return weight_fp8.contiguous().t(), block_scale.contiguous().t()
+
+
+def blockwise_activation_operands(x2d: torch.Tensor, fmt: str = "fp8_e4m3") -> tuple:
+    """``(mat1, scale_a, rows)`` of a blockwise ``torch._scaled_mm`` for activations ``x2d`` ``[M, K]``.
+
+    Quantized per token in groups of 128 along K (the ``fp8`` recipe's activation scaling). The token
+    dimension is zero-padded to a multiple of 16 (an all-zero row quantizes to zeros); ``rows`` = M, the
+    rows of the output to keep. ``scale_a``: ``[M', ceil(K/128)]`` float32 with strides ``(1, M')``,
+    outer-dim-major as ``is_blockwise_1x128_scaling`` of torch's ``ScaledBlas.cpp`` requires.
+    """
+    rows = x2d.shape[0]
+    pad = _round_up(max(rows, 1), 16) - rows
+    if pad:
+        x2d = torch.cat([x2d, x2d.new_zeros(pad, x2d.shape[1])])
+    qx = quantize(x2d, fmt, "group", (1, 128), check_finite=False, name="input")
+    return qx.data.contiguous(), outer_dim_major(qx.scale), rows
+
+
 def scaled_mm_linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
@@ -85,20 +171,26 @@ def scaled_mm_linear(
     """``x @ W.T + bias`` by ``torch._scaled_mm`` with a dynamically quantized activation.
 
     ``weight_t``: ``[K, N]`` FP8, column-major (the transpose of a contiguous ``[N, K]``);
-    ``weight_scale``: 0-d (per tensor) or ``[1, N]`` (per output channel) float32.
-    ``act_scaling``: ``"tensor"`` (0-d scale) or ``"token"`` (``[M, 1]`` scale).
-    Device-agnostic; the CPU kernel is slow and only useful for checking numerics.
+    ``weight_scale``: 0-d (per tensor), ``[1, N]`` (per output channel) or, with ``act_scaling="group"``,
+    the blockwise ``scale_b`` of :func:`blockwise_weight_operands` (``[ceil(K/128), ceil(N/128)]``).
+    ``act_scaling``: ``"tensor"`` (0-d scale), ``"token"`` (``[M, 1]`` scale) or ``"group"`` (1x128 groups,
+    :func:`blockwise_activation_operands`). Row-wise and blockwise scaling write a bf16 output (CUDA
+    requires it), cast back to ``x``'s dtype. The tensor/row forms run on CPU too (slowly: only useful
+    for checking numerics); the blockwise form runs on Hopper only (:func:`fp8_gemm_requirement`).
     """
     k = x.shape[-1]
     x2d = x.reshape(-1, k)  # [M, K]
-    qx = quantize(x2d, fmt, act_scaling, check_finite=False, name="input")
-    scale_a = qx.scale.reshape(()) if act_scaling == "tensor" else qx.scale.reshape(-1, 1)  # [] or [M, 1]
-    rowwise = scale_a.dim() == 2 or weight_scale.dim() == 2
-    out_dtype = torch.bfloat16 if rowwise else torch.float32  # CUDA row-wise scaling requires bf16 output
-    y = torch._scaled_mm(
-        qx.data.contiguous(), weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype
-    )
-    y = y.to(x.dtype)  # [M, N]
+    rows = x2d.shape[0]
+    if act_scaling == "group":
+        data, scale_a, rows = blockwise_activation_operands(x2d, fmt)  # [M', K], [M', K/128]
+    else:
+        qx = quantize(x2d, fmt, act_scaling, check_finite=False, name="input")
+        data = qx.data.contiguous()
+        scale_a = qx.scale.reshape(()) if act_scaling == "tensor" else qx.scale.reshape(-1, 1)  # [] or [M, 1]
+    per_tensor = scale_a.dim() == 0 and weight_scale.dim() == 0
+    out_dtype = torch.float32 if per_tensor else torch.bfloat16  # row-/block-wise scaling: bf16 output
+    y = torch._scaled_mm(data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype)
+    y = y[:rows].to(x.dtype)  # [M, N]
     if bias is not None:
         y = y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], weight_t.shape[1])
@@ -155,7 +247,7 @@ class QuantLinear(nn.Linear):
         # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
         self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K] (OCS: [N, K + S])
         self.weight_fp8_t: torch.Tensor | None = None  # fp8_gemm: [K, N] col-major
-        self.weight_fp8_scale: torch.Tensor | None = None  # fp8_gemm: [] or [1, N]
+        self.weight_fp8_scale: torch.Tensor | None = None  # fp8_gemm: [], [1, N] or [K/128, N/128]
         self.ocs_index: torch.Tensor | None = None  # emulate + OCS: [K + S] input column of each split column
         self.ocs_channels: torch.Tensor | None = None  # emulate + OCS: [S] split input channels
         self._packed = None  # int8: fbgemm packed params
@@ -185,8 +277,14 @@ class QuantLinear(nn.Linear):
         if backend == "fp8_gemm":
             if recipe.name not in FP8_GEMM_RECIPES:
                 raise ValueError(
-                    f"backend 'fp8_gemm' supports recipes {FP8_GEMM_RECIPES}, got {recipe.name!r}"
+                    f"backend 'fp8_gemm' supports recipes {FP8_GEMM_RECIPES} (fp8 = fp8_block), got {recipe.name!r}"
                 )
+            if self.weight.device.type == "cuda":
+                capability = tuple(torch.cuda.get_device_capability(self.weight.device))
+                cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+                reason = fp8_gemm_requirement(recipe.name, capability, cuda)
+                if reason is not None:
+                    raise ValueError(reason)
             if self.weight.device.type != "cuda":
                 raise RuntimeError(
                     f"backend 'fp8_gemm' needs the weight on a CUDA device (torch._scaled_mm FP8 kernels), "
@@ -222,6 +320,9 @@ class QuantLinear(nn.Linear):
             self.ocs_index = self.ocs_channels = None
         elif self.backend == "int8":
             self._packed = int8_prepack(self.weight, self.bias)
+        elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [K/128, N/128]
+            q = quantize(self.weight, r.weight_fmt, "block", r.weight_block, name="weight")
+            self.weight_fp8_t, self.weight_fp8_scale = blockwise_weight_operands(q.data, q.scale)
         else:
             q = quantize(self.weight, r.weight_fmt, r.weight_scaling, name="weight")
             self.weight_fp8_t = q.data.t()  # [K, N] column-major view of the row-major [N, K]

@@ -12,11 +12,30 @@ CPU where vLLM repacks linear weights for oneDNN and drops the original tensors.
 is reset after every sync. ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to ``0`` here so the engine
 core and the model live in this process (no pickling of weights; the caller can override it).
 
-Precisions: ``fp32`` and ``bf16`` set vLLM's ``dtype``. ``fp8``: on CUDA vLLM's own FP8 W8A8
-(``quantization="fp8"``); on CPU (real FP8 kernels need AVX-512 or a GPU) the engine runs fp32 and
-every synced linear weight is fake-quantized with the ``fp8`` blockwise recipe of
-:mod:`ais_lightning.quant` (E4M3, 128x128 blocks, DeepSeek-V3 arXiv 2412.19437; FP8-RL arXiv
-2601.18150): weight-only emulation, activations stay fp32, so it understates the W8A8 mismatch.
+Precisions: ``fp32`` and ``bf16`` set vLLM's ``dtype``. ``fp8``: on CUDA vLLM's online blockwise FP8
+W8A8, ``quantization="fp8_per_block"`` (128x128 weight blocks, dynamic 1x128 activation groups: the
+``fp8`` recipe of :mod:`ais_lightning.quant`, DeepSeek-V3 arXiv 2412.19437; FP8-RL arXiv 2601.18150),
+re-quantized by every weight reload (``model_executor/model_loader/reload/layerwise.py`` re-runs
+``process_weights_after_loading`` per layer). vLLM 0.33's ``quantization="fp8"`` is the checkpoint
+format and refuses an unquantized checkpoint (``model_executor/layers/quantization/fp8.py``: "no longer
+supports online quantization"). On CPU (real FP8 kernels need AVX-512 or a GPU) the engine runs fp32
+and every synced linear weight is fake-quantized with the ``fp8`` recipe: weight-only emulation,
+activations stay fp32, so it understates the W8A8 mismatch.
+
+FP8 KV cache (``kv_cache_dtype="fp8"``, CUDA only): vLLM's ``fp8_per_token_head`` cache, whose scales
+are computed for every token and head as it is written (``config/cache.py``; Triton attention backend,
+compute capability >= 8.9), so they follow the weights. vLLM's per-tensor ``fp8`` cache is not used:
+0.33 has no ``calculate_kv_scales`` and the layerwise reload keeps the attention layers' old
+``k_scale``/``v_scale`` (1.0 for an unquantized checkpoint), so its scales would never follow a sync.
+
+Placement on GPUs (``v1/worker/gpu_worker.py``, ``v1/executor/uniproc_executor.py``): the in-process
+executor runs on ``cuda:<local_rank>`` and makes it the current device; its local rank is 0 unless
+the engine uses the ``external_launcher`` executor, which reads ``RANK``/``LOCAL_RANK`` and joins the
+trainer's process group. With several ranks the engine therefore starts vLLM with that executor and
+``LOCAL_RANK`` = its own device index (as TRL's colocated vLLM does), and restores the environment and
+the current device after start-up. vLLM refuses to start unless ``gpu_memory_utilization`` x total
+memory is free (``v1/worker/utils.py``, ``request_memory``); the trainer already holds part of the GPU,
+so the default is a share of the memory free when the engine starts (:func:`cuda_placement`).
 
 In-process vLLM on CPU also takes over the process: it binds OpenMP threads, sets torch to one thread
 and replaces ``torch.set_num_threads`` by a no-op. The engine restores ``torch.set_num_threads``, the
@@ -25,6 +44,8 @@ thread count and the global RNG states after start-up so a co-located trainer is
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import random
 import tempfile
@@ -38,21 +59,26 @@ from torch import nn
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
 from ais_lightning.rollout.engine_args import (
     bind_engine_args,
+    check_capability,
     check_choice,
     check_pad_token_id,
+    cuda_device,
     require_package,
+    require_version,
     vllm_install_hint,
 )
 from ais_lightning.rollout.prompts import check_prompts, left_pad
 
 __all__ = [
     "DEFAULT_CPU_KV_CACHE_BYTES",
+    "DEFAULT_GPU_FREE_SHARE",
     "FP8_RECIPE",
     "KV_CACHE_DTYPES",
     "PRECISIONS",
     "VLLMRolloutEngine",
     "check_prompts",
     "checkpoint_shapes",
+    "cuda_placement",
     "fp8_fake_quantized",
     "pack_outputs",
     "request_seeds",
@@ -62,9 +88,28 @@ __all__ = [
 PRECISIONS = ("fp32", "bf16", "fp8")
 """Precisions the vLLM engine supports."""
 KV_CACHE_DTYPES = (None, "auto", "fp8")
-"""``kv_cache_dtype`` values: None or ``auto`` = the model dtype (vLLM's ``auto``), ``fp8`` = E4M3
-(CUDA or AVX-512 CPUs)."""
-RESERVED_LLM_KWARGS = ("model", "dtype", "quantization", "logprobs_mode", "skip_tokenizer_init")
+"""``kv_cache_dtype`` values: None or ``auto`` = the model dtype (vLLM's ``auto``), ``fp8`` = E4M3 with
+dynamic per-token-head scales (vLLM's ``fp8_per_token_head``, CUDA only)."""
+VLLM_KV_CACHE_DTYPE = {"auto": "auto", "fp8": "fp8_per_token_head"}
+"""The vLLM ``kv_cache_dtype`` of each engine value."""
+VLLM_FP8_QUANTIZATION = "fp8_per_block"
+"""vLLM's online blockwise FP8 (128x128 weights, 1x128 dynamic activations) for ``precision="fp8"`` on CUDA."""
+VLLM_MIN_VERSION = (0, 33)
+"""The vLLM this engine was read against: ``fp8_per_block``, ``fp8_per_token_head``, the layerwise reload."""
+FP8_MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores (Ada, Hopper, Blackwell): below, vLLM runs FP8 weights through weight-only Marlin and
+its Triton attention refuses an FP8 KV cache."""
+DEFAULT_GPU_FREE_SHARE = 0.5
+"""Share of the device memory free when the engine starts that vLLM gets when ``gpu_memory_utilization``
+is None (the trainer keeps the rest for its optimizer states and activations)."""
+RESERVED_LLM_KWARGS = (
+    "model",
+    "dtype",
+    "quantization",
+    "logprobs_mode",
+    "skip_tokenizer_init",
+    "distributed_executor_backend",
+)
 """``vllm.LLM`` arguments the engine sets from its own arguments (``llm_kwargs`` must not set them)."""
 FP8_RECIPE = "fp8"
 """Recipe of :mod:`ais_lightning.quant` used to fake-quantize synced weights for ``precision="fp8"`` on CPU."""
@@ -82,6 +127,66 @@ def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
     if seed is None:
         return [None] * num_prompts
     return [int(np.random.SeedSequence([int(seed), i]).generate_state(1)[0] >> 1) for i in range(num_prompts)]
+
+
+def cuda_placement(
+    device_index: int,
+    free_bytes: int,
+    total_bytes: int,
+    gpu_memory_utilization: float | None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(llm_kwargs, environment)`` that start this rank's in-process vLLM on ``cuda:<device_index>``.
+
+    ``gpu_memory_utilization``: None gives vLLM :data:`DEFAULT_GPU_FREE_SHARE` of the ``free_bytes``
+    (expressed, as vLLM wants it, as a fraction of ``total_bytes``); an explicit value must fit in the
+    free memory, because vLLM refuses to start otherwise (``v1/worker/utils.py``, ``request_memory``:
+    free >= utilization x total) and the trainer already holds its share. With ``world_size > 1`` the
+    ``external_launcher`` executor places vLLM on ``LOCAL_RANK`` = ``device_index`` and joins the existing
+    process group (``v1/executor/uniproc_executor.py``, ``ExecutorWithExternalLauncher``); alone, the
+    in-process executor always takes ``cuda:0`` (``UniProcExecutor._distributed_args``), so another
+    device is refused. ValueError names the argument.
+    """
+    gib = 2**30
+    if gpu_memory_utilization is None:
+        util = math.floor(DEFAULT_GPU_FREE_SHARE * free_bytes / total_bytes * 1e4) / 1e4
+        if util <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization=None: cuda:{device_index} has {free_bytes / gib:.2f} GiB free, "
+                "too little for vLLM's weights and KV cache"
+            )
+    else:
+        util = float(gpu_memory_utilization)
+        if util * total_bytes > free_bytes:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} asks vLLM for {util * total_bytes / gib:.2f} GiB "
+                f"of cuda:{device_index} ({total_bytes / gib:.2f} GiB in all) but only {free_bytes / gib:.2f} GiB "
+                f"are free (the trainer holds the rest); vLLM refuses to start then. Set it <= "
+                f"{free_bytes / total_bytes:.3f}, or to None for {DEFAULT_GPU_FREE_SHARE:.0%} of the free memory"
+            )
+    kwargs: dict[str, Any] = {"gpu_memory_utilization": util}
+    env: dict[str, str] = {}
+    if world_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        env = {"RANK": str(rank), "LOCAL_RANK": str(device_index), "WORLD_SIZE": str(world_size)}
+    elif device_index != 0:
+        raise ValueError(
+            f"device='cuda:{device_index}': a single-process vLLM runs on cuda:0 (its in-process executor "
+            "ignores the device index); make the GPU cuda:0 with CUDA_VISIBLE_DEVICES"
+        )
+    return kwargs, env
+
+
+def _batch_to(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """``batch`` with every tensor on ``device`` (the trainer's, so the policy can score it directly)."""
+    changes = {
+        f.name: getattr(batch, f.name).to(device)
+        for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    changes["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    return dataclasses.replace(batch, **changes)
 
 
 def pack_outputs(
@@ -226,14 +331,20 @@ class VLLMRolloutEngine:
     Args:
         model: a Hugging Face causal LM (saved to a private temporary directory; the module itself is
             not kept) or the path of an HF model directory.
-        precision: ``fp32`` | ``bf16`` | ``fp8`` (CUDA: vLLM FP8 W8A8; CPU: fake-quantized fp8 weights).
-        kv_cache_dtype: None or ``auto`` (model dtype), or ``fp8``; ``fp8`` needs CUDA or an AVX-512 CPU.
-        gpu_memory_utilization: fraction of device memory vLLM reserves (on CPU: of the NUMA node's
-            RAM, minus this process's resident memory, which fails when a trainer lives in the same
-            process). None: vLLM's default on CUDA; on CPU an explicit ``kv_cache_memory_bytes`` of
-            :data:`DEFAULT_CPU_KV_CACHE_BYTES` unless ``llm_kwargs`` sets one.
+        precision: ``fp32`` | ``bf16`` | ``fp8`` (CUDA: vLLM's blockwise FP8 W8A8 ``fp8_per_block``, compute
+            capability >= 8.9; CPU: fake-quantized fp8 weights).
+        kv_cache_dtype: None or ``auto`` (model dtype), or ``fp8`` (CUDA, compute capability >= 8.9: E4M3
+            with per-token-head scales computed as the cache is written).
+        gpu_memory_utilization: fraction of the device's total memory vLLM may use (on CPU: of the NUMA
+            node's RAM, minus this process's resident memory, which fails when a trainer lives in the
+            same process). It must fit in the memory free when the engine starts (checked, with the
+            numbers, before vLLM starts). None: on CUDA :data:`DEFAULT_GPU_FREE_SHARE` of the free
+            memory; on CPU an explicit ``kv_cache_memory_bytes`` of :data:`DEFAULT_CPU_KV_CACHE_BYTES`
+            unless ``llm_kwargs`` sets one.
         max_model_len: longest prompt + response, in tokens.
         seed: vLLM's engine seed (per-request seeds come from ``SamplingConfig.seed``).
+        device: the CUDA device vLLM runs on; None or ``"cuda"`` = the current CUDA device (each rank's
+            own GPU under Lightning). Ignored on CPU. Batches come back on this device.
         pad_token_id: id used to pad prompts and responses; default: the saved config's, else 0.
         llm_kwargs: passed to ``vllm.LLM`` (e.g. ``enforce_eager`` (default True), ``max_num_seqs``,
             ``kv_cache_memory_bytes``).
@@ -256,6 +367,7 @@ class VLLMRolloutEngine:
         max_model_len: int = 512,
         seed: int = 0,
         *,
+        device: str | None = None,
         pad_token_id: int | None = None,
         **llm_kwargs: Any,
     ) -> None:
@@ -265,6 +377,7 @@ class VLLMRolloutEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             seed=seed,
+            device=device,
             pad_token_id=pad_token_id,
             **llm_kwargs,
         )
@@ -296,18 +409,38 @@ class VLLMRolloutEngine:
 
         kwargs: dict[str, Any] = dict(enforce_eager=True)
         kwargs.update(llm_kwargs)
-        if gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        elif self.on_cpu and "kv_cache_memory_bytes" not in kwargs:
-            kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+        env: dict[str, str] = {}
+        if self.on_cpu:
+            self.device = torch.device("cpu")
+            if gpu_memory_utilization is not None:
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            elif "kv_cache_memory_bytes" not in kwargs:
+                kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+        else:
+            import torch.distributed as dist
+
+            self.device = torch.device(args["device"])
+            free, total = torch.cuda.mem_get_info(self.device)
+            distributed = dist.is_available() and dist.is_initialized()
+            placement, env = cuda_placement(
+                self.device.index,
+                free,
+                total,
+                gpu_memory_utilization,
+                rank=dist.get_rank() if distributed else 0,
+                world_size=dist.get_world_size() if distributed else 1,
+            )
+            kwargs.update(placement)
         if precision == "fp8" and not self.on_cpu:
-            kwargs["quantization"] = "fp8"
+            kwargs["quantization"] = VLLM_FP8_QUANTIZATION
         dtype = "float32" if self.fake_quant_weights else _DTYPES[precision]
         self._weight_dtype = getattr(torch, dtype)
         self.llm = self._start_llm(
+            env,
+            None if self.on_cpu else self.device,
             model=path,
             dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=VLLM_KV_CACHE_DTYPE[kv_cache_dtype],
             max_model_len=self.max_model_len,
             seed=seed,
             skip_tokenizer_init=True,
@@ -333,9 +466,11 @@ class VLLMRolloutEngine:
 
         Names the engine does not take go to ``llm_kwargs`` (``vllm.LLM``), except the ones the engine
         sets itself (:data:`RESERVED_LLM_KWARGS`). Raises ValueError naming the argument and the
-        allowed values; an FP8 KV cache without CUDA on a CPU without AVX-512; and, last, when vLLM is
-        not installed (naming the pip extra). Returns the arguments with the constructor's defaults
-        filled in and ``kv_cache_dtype`` None -> ``"auto"``; the extra names under ``llm_kwargs``.
+        allowed values; an FP8 KV cache without CUDA (vLLM's CPU cache would keep scales of 1.0);
+        on CUDA, FP8 weights or KV cache on a GPU below compute capability 8.9, and vLLM older than
+        :data:`VLLM_MIN_VERSION`; and when vLLM is not installed (naming the pip extra). Returns the
+        arguments with the constructor's defaults filled in, ``kv_cache_dtype`` None -> ``"auto"``,
+        ``device`` resolved to an indexed CUDA device (None on CPU); the extra names under ``llm_kwargs``.
         """
         name = "VLLMRolloutEngine"
         args = bind_engine_args(VLLMRolloutEngine, kwargs)
@@ -360,25 +495,48 @@ class VLLMRolloutEngine:
                     f"{key} is set by {name} from its own arguments: llm_kwargs must not set {key!r} "
                     f"(reserved: {list(RESERVED_LLM_KWARGS)})"
                 )
-        if (
-            args["kv_cache_dtype"] == "fp8"
-            and not torch.cuda.is_available()
-            and torch.backends.cpu.get_cpu_capability() != "AVX512"
-        ):
-            raise ValueError(
-                f"kv_cache_dtype='fp8' needs CUDA or an AVX-512 CPU with {name}; this machine has "
-                "neither (use kv_cache_dtype='auto', or engine 'torch' with kv_cache_dtype='fp8')"
-            )
+        device = args["device"]
+        if device is not None:
+            try:
+                kind = torch.device(device).type
+            except (RuntimeError, TypeError):
+                kind = None
+            if kind != "cuda":
+                raise ValueError(f"device must be None or a CUDA device for {name}, got {device!r}")
+        if not torch.cuda.is_available():
+            if args["kv_cache_dtype"] == "fp8":
+                raise ValueError(
+                    f"kv_cache_dtype='fp8' needs CUDA with {name}: vLLM's per-token-head FP8 cache runs on its "
+                    "Triton attention (GPU), and its CPU FP8 cache keeps scales of 1.0 that no weight sync "
+                    "recalibrates (vLLM 0.33 has no calculate_kv_scales); use kv_cache_dtype='auto', or "
+                    "engine 'torch' with kv_cache_dtype='fp8' (scales recalibrated after every sync)"
+                )
+            if device is not None:
+                raise ValueError(f"device={device!r}: {name} has no CUDA GPU here; leave device=None on CPU")
+            require_package(name, "vllm", "the vllm package", vllm_install_hint())
+            return args
+        dev = cuda_device(device, name)
+        args["device"] = str(dev)
+        for arg, value in (("precision", args["precision"]), ("kv_cache_dtype", args["kv_cache_dtype"])):
+            if value == "fp8":
+                check_capability(
+                    name, f"{arg}='fp8' (vLLM FP8 W8A8 and FP8 KV cache)", dev, FP8_MIN_CAPABILITY
+                )
         require_package(name, "vllm", "the vllm package", vllm_install_hint())
+        require_version(name, ("vllm",), VLLM_MIN_VERSION, "vllm (fp8_per_block, fp8_per_token_head)")
         return args
 
     @staticmethod
-    def _start_llm(**kwargs: Any) -> Any:
-        """Build ``vllm.LLM`` and undo what it does to this process's torch threads and RNGs."""
+    def _start_llm(env: dict[str, str], device: torch.device | None, **kwargs: Any) -> Any:
+        """Build ``vllm.LLM`` with ``env`` set, and undo what it does to this process: torch threads, RNGs,
+        the environment and (on CUDA) the current device."""
         from vllm import LLM
 
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        saved_env = {key: os.environ.get(key) for key in env}
+        current = torch.cuda.current_device() if device is not None else None
+        os.environ.update(env)
         try:
             return LLM(**kwargs)
         finally:
@@ -387,6 +545,13 @@ class VLLMRolloutEngine:
             random.setstate(rng[0])
             np.random.set_state(rng[1])
             torch.random.set_rng_state(rng[2])
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            if current is not None:
+                torch.cuda.set_device(current)
 
     # ------------------------------------------------------------- weight sync
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -443,7 +608,7 @@ class VLLMRolloutEngine:
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, self.sampling_params(sampling, len(prompts)), use_tqdm=False)
-        return pack_outputs(prompts, outputs, sampling.n, self.pad_token_id)
+        return _batch_to(pack_outputs(prompts, outputs, sampling.n, self.pad_token_id), self.device)
 
     def close(self) -> None:
         """Drop the engine and its temporary model directory."""

@@ -61,13 +61,15 @@ def test_every_task_option_builds(name):
 )
 def test_every_option_of_the_remaining_groups_composes(group):
     for name in options(group):
-        if group == "rollout" and name.startswith(("vllm", "te")):
-            continue  # needs vLLM / Transformer Engine + CUDA: tests/rollout/test_factory.py checks the error
+        if group == "rollout" and name.startswith(("vllm", "te", "fp8_gemm")):
+            continue  # needs vLLM / Transformer Engine / CUDA: tests/rollout and tests/gpu check the error
         if group == "policy" and name == "local":
             with pytest.raises(ValueError, match="policy.path"):
                 validate(make("policy=local"))
             continue
         extra = ["corrector=none"] if (group, name) in (("loss", "bypass"), ("loss", "tbpo")) else []
+        if (group, name) == ("trainer", "fsdp_gpu"):
+            extra = ["rollout=bf16"]  # the default fbgemm int8 engine runs on CPU only
         if (group == "rollout" and name.startswith("llada")) or (group, name) == ("policy", "tiny_llada"):
             extra = ["policy=tiny_llada", "rollout=llada_fp32", f"{group}={name}"]  # one model family
         validate(make(f"{group}={name}", *extra))
@@ -173,7 +175,7 @@ def test_console_script_finds_the_packaged_configs():
 def test_fsdp_gpu_strategy_fails_clearly_without_cuda():
     import torch
 
-    trainer = validate(make("trainer=fsdp_gpu")).trainer
+    trainer = validate(make("trainer=fsdp_gpu", "rollout=bf16")).trainer
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the strategy builds (covered by the GPU test)")
     with pytest.raises(ValueError, match="trainer.strategy=fsdp"):
@@ -183,9 +185,11 @@ def test_fsdp_gpu_strategy_fails_clearly_without_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_fsdp_gpu_strategy_builds_on_cuda():
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    assert isinstance(validate(make("trainer=fsdp_gpu")).trainer.strategy_object(), FSDPStrategy)
+    assert isinstance(
+        validate(make("trainer=fsdp_gpu", "rollout=bf16")).trainer.strategy_object(), ModelParallelStrategy
+    )
 
 
 @pytest.mark.parametrize("preset", ["correctors", "correctors_all", "paper_small"])

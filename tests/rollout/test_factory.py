@@ -17,6 +17,7 @@ from ais_lightning.rollout import (
     engine_precisions,
     validate_engine_config,
 )
+from tests.gpu.fake_cuda import fake_cuda
 
 
 def test_unknown_engine_raises():
@@ -64,7 +65,7 @@ def test_missing_vllm_says_what_to_install(monkeypatch):
 
 def test_missing_transformer_engine_says_what_to_install(monkeypatch):
     monkeypatch.setattr(engine_args, "has_package", lambda name: name != "transformer_engine")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda(monkeypatch, capability=(9, 0))
     with pytest.raises(ValueError, match=r"pip install 'ais-lightning\[te\]'"):
         validate_engine_config("te", "fp8")
 

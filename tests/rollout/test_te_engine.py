@@ -1,12 +1,24 @@
-"""Transformer Engine rollouts: a clear error on CPU; an FP8 smoke test where CUDA and TE exist."""
+"""Transformer Engine rollouts: config-time checks (CPU, on a pretend GPU), the scale-1.0 failure they guard
+against (CPU emulation), and FP8 log-probs against fp32 where CUDA and TE exist."""
 
+import copy
 import importlib.util
 
 import pytest
 import torch
 
 from ais_lightning.models import build_tiny_qwen3
-from ais_lightning.rollout import SamplingConfig, TERolloutEngine
+from ais_lightning.policy import Policy
+from ais_lightning.quant import quantize_model
+from ais_lightning.rollout import SamplingConfig, TERolloutEngine, engine_args
+from ais_lightning.rollout.te_engine import TE_RECIPE_REQUIREMENTS
+from tests.gpu.fake_cuda import fake_cuda
+from tests.gpu.realistic import (
+    FP8_LOGPROB_TOLERANCE,
+    mean_abs_logprob_delta,
+    realistic_tiny_qwen3,
+    scale_one_fp8,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -24,11 +36,10 @@ def test_without_cuda_construction_raises_clear_error():
     "kwargs, match",
     [
         ({"precision": "fp4"}, "^precision='fp4'.*one of \\['fp8'\\]"),
+        ({"recipe": "delayed"}, "^recipe='delayed'.*one of \\['current', 'block', 'mxfp8'\\]"),
         ({"fp8_format": "E5M2"}, "^fp8_format='E5M2'.*one of \\['E4M3', 'HYBRID'\\]"),
-        ({"amax_history_len": 0}, "^amax_history_len"),
-        ({"margin": -1}, "^margin"),
         ({"params_dtype": "int8"}, "^params_dtype"),
-        ({"device": "cpu"}, "^device must be a CUDA device"),
+        ({"device": "cpu"}, "^device must be None or a CUDA device"),
         ({"kv_cache_dtype": "int4"}, "^kv_cache_dtype"),
         ({"compact_below": 1.5}, "^compact_below"),
     ],
@@ -43,36 +54,134 @@ def test_bad_options_raise_before_touching_the_device(kwargs, match):
 def test_config_time_check_rejects_options_of_other_engines():
     with pytest.raises(ValueError, match="unknown argument.*'backend'.*accepts.*'fp8_format'"):
         TERolloutEngine.check_args(backend="int8")
+    with pytest.raises(ValueError, match="amax_history_len.*unknown argument"):  # DelayedScaling is gone
+        TERolloutEngine.check_args(amax_history_len=16)
+
+
+def _installed(monkeypatch, version=(2, 20, 0)):
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    monkeypatch.setattr(engine_args, "package_version", lambda dist: version)
 
 
 def test_check_args_fills_the_constructor_defaults(monkeypatch):
-    from ais_lightning.rollout import engine_args
-
-    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _installed(monkeypatch)
+    fake_cuda(monkeypatch, capability=(8, 9), current=1)
     args = TERolloutEngine.check_args(params_dtype="float16", kv_cache_dtype="auto")
     assert args == {
         "precision": "fp8",
         "kv_cache_dtype": None,
+        "recipe": "current",
         "fp8_format": "E4M3",
-        "amax_history_len": 16,
-        "margin": 0,
         "params_dtype": torch.float16,
-        "device": "cuda",
+        "device": "cuda:1",  # None: the current device, each rank's own GPU under Lightning
         "pad_token_id": None,
         "compact_below": 0.5,
     }
+    assert TERolloutEngine.check_args(device="cuda:0")["device"] == "cuda:0"
+    with pytest.raises(ValueError, match="device='cuda:2'.*2 CUDA device"):
+        TERolloutEngine.check_args(device="cuda:2")
+
+
+@pytest.mark.parametrize(
+    "recipe, capability, cuda, match",
+    [
+        ("current", (8, 6), "12.9", r"recipe='current'.*compute capability >= 8\.9.*has 8\.6"),
+        ("block", (8, 9), "12.9", r"recipe='block'.*compute capability >= 9\.0.*has 8\.9"),
+        ("block", (9, 0), "12.4", r"recipe='block'.*needs CUDA >= 12\.9.*12\.4"),
+        ("mxfp8", (9, 0), "12.9", r"recipe='mxfp8'.*>= 10\.0 and < 12\.0.*has 9\.0"),
+        ("mxfp8", (12, 0), "12.9", r"recipe='mxfp8'.*>= 10\.0 and < 12\.0.*has 12\.0"),
+        ("current", (8, 9), "12.1", None),
+        ("block", (10, 0), "12.9", None),
+        ("mxfp8", (10, 0), "12.8", None),
+    ],
+)
+def test_each_recipe_names_its_hardware_requirement(monkeypatch, recipe, capability, cuda, match):
+    _installed(monkeypatch)
+    fake_cuda(monkeypatch, capability=capability, cuda_version=cuda)
+    if match is None:
+        assert TERolloutEngine.check_args(recipe=recipe)["recipe"] == recipe
+    else:
+        with pytest.raises(ValueError, match=match):
+            TERolloutEngine.check_args(recipe=recipe)
+    assert set(TE_RECIPE_REQUIREMENTS) == {"current", "block", "mxfp8"}
+
+
+def test_old_transformer_engine_is_named(monkeypatch):
+    _installed(monkeypatch, version=(2, 7, 0))
+    fake_cuda(monkeypatch, capability=(9, 0))
+    with pytest.raises(ValueError, match=r"Transformer Engine \(te.autocast\) >= 2\.8, found .* 2\.7\.0"):
+        TERolloutEngine.check_args()
+
+
+def _sampled_batch(model, seed=0, batch=32, prompt_len=6, new=16):
+    """Prompts and responses sampled from ``model`` in fp32 (the tokens a rollout would score)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 99, (batch, prompt_len), generator=gen)
+    ids = prompts
+    with torch.no_grad():
+        for _ in range(new):
+            probs = model(ids).logits[:, -1].softmax(-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    mask = torch.ones(batch, new, dtype=torch.bool)
+    return prompts, torch.ones_like(prompts, dtype=torch.bool), ids[:, prompt_len:], mask
+
+
+@torch.no_grad()
+def _logprobs(model, batch):
+    return Policy(model).response_logprobs(*batch).logprobs
+
+
+def test_scales_of_one_break_a_realistic_model_that_per_tensor_scaling_keeps():
+    """What the GPU test below guards against, shown on CPU by emulation: with every FP8 scale at 1.0
+    (TE's DelayedScaling under inference_mode) the log-probs leave the tolerance; with scales computed
+    from each tensor (Float8CurrentScaling's numerics, and the blockwise fp8 recipe) they stay inside."""
+    model = realistic_tiny_qwen3()
+    batch = _sampled_batch(model)
+    ref = _logprobs(model, batch)
+    mask = batch[3]
+    assert 0.3 < float(-ref[mask].mean()) < 3.0  # peaked, not near-uniform (log 99 = 4.6)
+    broken = mean_abs_logprob_delta(ref, _logprobs(scale_one_fp8(model), batch), mask)
+    current = mean_abs_logprob_delta(
+        ref, _logprobs(quantize_model(copy.deepcopy(model), "fp8_tensor"), batch), mask
+    )
+    block = mean_abs_logprob_delta(ref, _logprobs(quantize_model(copy.deepcopy(model), "fp8"), batch), mask)
+    print(
+        f"mean |delta log p| vs fp32: scale 1.0 {broken:.3f}, per-tensor {current:.3f}, blockwise {block:.3f}"
+    )
+    # Measured: scale 1.0 0.64, per-tensor 0.074, blockwise 0.071 (512 tokens).
+    assert broken > 1.5 * FP8_LOGPROB_TOLERANCE
+    assert current < FP8_LOGPROB_TOLERANCE / 2
+    assert block < FP8_LOGPROB_TOLERANCE / 2
+
+
+def _te_recipes_here() -> list[str]:
+    if not (HAS_CUDA and HAS_TE):
+        return ["current"]
+    cap = torch.cuda.get_device_capability()
+    recipes = ["current"]
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    if cap >= (9, 0) and cuda >= (12, 9):
+        recipes.append("block")
+    if (10, 0) <= cap < (12, 0):
+        recipes.append("mxfp8")
+    return recipes
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TE), reason="needs CUDA and transformer_engine")
-def test_fp8_rollout_is_close_to_fp32_policy():
-    from ais_lightning.policy import Policy
-
-    model = build_tiny_qwen3(seed=0).eval()
-    engine = TERolloutEngine(model)
+@pytest.mark.parametrize("recipe", _te_recipes_here())
+def test_te_fp8_logprobs_match_fp32_on_a_realistic_model(recipe):
+    """Rollout log-probs of the TE engine (fp32 params, so FP8 is the only difference) against the fp32
+    policy on the tokens it sampled; with scales stuck at 1.0 the mean |delta| would be ~0.64 (the CPU test
+    above), over the tolerance."""
+    model = realistic_tiny_qwen3()
+    engine = TERolloutEngine(model, recipe=recipe, params_dtype="float32")
     assert engine.num_te_linears == 4 * 7  # q, k, v, o, gate, up, down per layer; lm_head kept
-    batch = engine.generate([[5, 6, 7], [8, 9, 10, 11, 12]], SamplingConfig(n=3, max_new_tokens=8, seed=0))
+    prompts = [
+        [int(t) for t in torch.randint(3, 99, (6,), generator=torch.Generator().manual_seed(i))]
+        for i in range(16)
+    ]
+    batch = engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=16, seed=0))
     with torch.no_grad():
         pi = (
             Policy(model)
@@ -84,6 +193,29 @@ def test_fp8_rollout_is_close_to_fp32_policy():
             )
             .logprobs
         )
-    delta = (pi - batch.rollout_logprobs.cpu())[batch.response_mask.cpu()]
-    assert torch.isfinite(delta).all()
-    assert 0 < delta.abs().max().item() < 0.5
+    mask = batch.response_mask.cpu()
+    delta = mean_abs_logprob_delta(pi, batch.rollout_logprobs.cpu(), mask)
+    print(f"TE {recipe}: mean |delta log p| vs fp32 = {delta:.4f} over {int(mask.sum())} tokens")
+    assert torch.isfinite(batch.rollout_logprobs).all()
+    assert 0 < delta < FP8_LOGPROB_TOLERANCE
+
+    # A weight sync changes what the engine computes (TE re-quantizes every forward: nothing stale).
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+    engine.sync_weights(list(changed.state_dict().items()))
+    again = engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=16, seed=0))
+    with torch.no_grad():
+        pi_new = (
+            Policy(changed)
+            .response_logprobs(
+                again.prompt_ids.cpu(),
+                again.prompt_mask.cpu(),
+                again.response_ids.cpu(),
+                again.response_mask.cpu(),
+            )
+            .logprobs
+        )
+    assert mean_abs_logprob_delta(pi_new, again.rollout_logprobs.cpu(), again.response_mask.cpu()) < (
+        FP8_LOGPROB_TOLERANCE
+    )

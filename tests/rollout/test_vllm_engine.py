@@ -17,6 +17,7 @@ from ais_lightning.rollout.base import SamplingConfig
 from ais_lightning.rollout.vllm_engine import (
     VLLMRolloutEngine,
     check_prompts,
+    cuda_placement,
     fp8_fake_quantized,
     pack_outputs,
     request_seeds,
@@ -193,6 +194,7 @@ def test_check_args_defaults_llm_kwargs_and_missing_vllm(monkeypatch):
     from ais_lightning.rollout import engine_args
 
     monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = VLLMRolloutEngine.check_args(kv_cache_dtype=None, max_num_seqs=8)
     assert args == {
         "precision": "fp32",
@@ -200,6 +202,7 @@ def test_check_args_defaults_llm_kwargs_and_missing_vllm(monkeypatch):
         "gpu_memory_utilization": None,
         "max_model_len": 512,
         "seed": 0,
+        "device": None,  # no CUDA: vLLM-CPU
         "pad_token_id": None,
         "llm_kwargs": {"max_num_seqs": 8},
     }
@@ -208,19 +211,147 @@ def test_check_args_defaults_llm_kwargs_and_missing_vllm(monkeypatch):
         ValueError, match=r"VLLMRolloutEngine needs the vllm package.*pip install 'ais-lightning\[vllm"
     ):
         VLLMRolloutEngine.check_args()
+    with pytest.raises(ValueError, match="distributed_executor_backend is set by VLLMRolloutEngine"):
+        VLLMRolloutEngine.check_args(distributed_executor_backend="mp")
 
 
-def test_fp8_kv_cache_needs_cuda_or_avx512(monkeypatch):
+def test_fp8_kv_cache_needs_cuda_even_on_avx512(monkeypatch):
+    """vLLM's CPU FP8 cache keeps scales of 1.0 that no sync recalibrates: refused, with the way out named."""
     from ais_lightning.rollout import engine_args
 
     monkeypatch.setattr(engine_args, "has_package", lambda name: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs CUDA or an AVX-512 CPU"):
-        VLLMRolloutEngine.check_args(kv_cache_dtype="fp8")
-    VLLMRolloutEngine.check_args(kv_cache_dtype="auto")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert VLLMRolloutEngine.check_args(kv_cache_dtype="fp8")["kv_cache_dtype"] == "fp8"
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' needs CUDA.*calculate_kv_scales.*engine 'torch'"
+    ):
+        VLLMRolloutEngine.check_args(kv_cache_dtype="fp8")
+    assert VLLMRolloutEngine.check_args(kv_cache_dtype="auto", precision="fp8")["precision"] == "fp8"
+
+
+@pytest.mark.parametrize(
+    "kwargs, capability, version, match",
+    [
+        (dict(precision="fp8"), (8, 6), (0, 33, 0), r"precision='fp8'.*compute capability >= 8\.9.*has 8\.6"),
+        (dict(kv_cache_dtype="fp8"), (8, 0), (0, 33, 0), r"kv_cache_dtype='fp8'.*>= 8\.9.*has 8\.0"),
+        (dict(precision="fp8"), (9, 0), (0, 32, 0), r"vllm \(fp8_per_block, fp8_per_token_head\) >= 0\.33"),
+        (dict(device="cuda:5"), (9, 0), (0, 33, 0), r"device='cuda:5'.*2 CUDA device"),
+        (dict(device="cpu"), (9, 0), (0, 33, 0), r"^device must be None or a CUDA device"),
+        (dict(precision="fp8", kv_cache_dtype="fp8"), (8, 9), (0, 33, 0), None),
+    ],
+)
+def test_cuda_requirements_are_checked_at_config_time(monkeypatch, kwargs, capability, version, match):
+    from ais_lightning.rollout import engine_args
+    from tests.gpu.fake_cuda import fake_cuda
+
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    monkeypatch.setattr(engine_args, "package_version", lambda dist: version)
+    fake_cuda(monkeypatch, capability=capability, count=2, current=1)
+    if match is None:
+        assert VLLMRolloutEngine.check_args(**kwargs)["device"] == "cuda:1"  # the current device: this rank's
+    else:
+        with pytest.raises(ValueError, match=match):
+            VLLMRolloutEngine.check_args(**kwargs)
+
+
+GIB = 2**30
+
+
+def test_cuda_placement_gives_vllm_a_share_of_the_free_memory():
+    kwargs, env = cuda_placement(0, free_bytes=30 * GIB, total_bytes=80 * GIB, gpu_memory_utilization=None)
+    assert kwargs == {"gpu_memory_utilization": 0.1875}  # half of the 30 free GiB, as a fraction of 80
+    assert env == {}
+    assert kwargs["gpu_memory_utilization"] * 80 <= 30  # vLLM's request_memory check passes
+    kwargs, _ = cuda_placement(0, 30 * GIB, 80 * GIB, 0.3)
+    assert kwargs["gpu_memory_utilization"] == 0.3
+    with pytest.raises(
+        ValueError, match=r"^gpu_memory_utilization=0\.9 asks vLLM for 72\.00 GiB.*30\.00 GiB are free"
+    ):
+        cuda_placement(0, 30 * GIB, 80 * GIB, 0.9)  # vLLM's default, refused beside a trainer
+
+
+def test_cuda_placement_puts_each_rank_on_its_own_device():
+    kwargs, env = cuda_placement(3, 60 * GIB, 80 * GIB, None, rank=7, world_size=8)
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert env == {"RANK": "7", "LOCAL_RANK": "3", "WORLD_SIZE": "8"}  # vLLM runs on cuda:LOCAL_RANK
+    kwargs, env = cuda_placement(0, 60 * GIB, 80 * GIB, None)
+    assert "distributed_executor_backend" not in kwargs and env == {}
+    with pytest.raises(ValueError, match="device='cuda:1'.*runs on cuda:0.*CUDA_VISIBLE_DEVICES"):
+        cuda_placement(1, 60 * GIB, 80 * GIB, None)
+
+
+def _fake_vllm(monkeypatch, on_cpu: bool):
+    """A stand-in ``vllm`` package: ``current_platform`` and an ``LLM`` that records how it was started."""
+    import os
+    import sys
+    import types
+
+    started = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            started.append((kwargs, {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}))
+            config = SimpleNamespace(
+                get_text_config=lambda: SimpleNamespace(vocab_size=99, tie_word_embeddings=True),
+                pad_token_id=0,
+            )
+            self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=config))
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: on_cpu)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    return started
+
+
+def test_engine_starts_vllm_on_this_ranks_gpu_with_fp8_weights_and_dynamic_kv_scales(monkeypatch, tmp_path):
+    """The arguments a rank's in-process vLLM gets on a GPU node (pretend CUDA, stand-in vLLM)."""
+    import os
+
+    import torch.distributed as dist
+
+    from ais_lightning.models import build_tiny_qwen3
+    from ais_lightning.rollout import engine_args
+    from tests.gpu.fake_cuda import fake_cuda
+
+    build_tiny_qwen3(seed=0).save_pretrained(tmp_path)  # before CUDA is faked
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    monkeypatch.setattr(engine_args, "package_version", lambda dist: (0, 33, 0))
+    fake_cuda(monkeypatch, capability=(9, 0), count=4, current=2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 6)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    started = _fake_vllm(monkeypatch, on_cpu=False)
+    engine = VLLMRolloutEngine(str(tmp_path), precision="fp8", kv_cache_dtype="fp8")
+    ((kwargs, env),) = started
+    assert engine.device == torch.device("cuda", 2)
+    assert kwargs["quantization"] == "fp8_per_block"  # blockwise W8A8, not the checkpoint-format "fp8"
+    assert kwargs["kv_cache_dtype"] == "fp8_per_token_head"  # scales computed as K/V are written
+    assert kwargs["gpu_memory_utilization"] == 0.25  # half of the 40 free GiB of 80
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert env == {"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8"}  # cuda:2, not every rank on cuda:0
+    assert "LOCAL_RANK" not in os.environ  # restored for Lightning
+
+
+def test_engine_on_cpu_keeps_the_cpu_defaults(monkeypatch, tmp_path):
+    from ais_lightning.models import build_tiny_qwen3
+    from ais_lightning.rollout import engine_args
+
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = _fake_vllm(monkeypatch, on_cpu=True)
+    monkeypatch.setattr(VLLMRolloutEngine, "sync_weights", lambda self, named: None)
+    build_tiny_qwen3(seed=0).save_pretrained(tmp_path)
+    engine = VLLMRolloutEngine(str(tmp_path), precision="fp8")
+    ((kwargs, env),) = started
+    assert engine.device == torch.device("cpu") and engine.fake_quant_weights
+    assert "quantization" not in kwargs and kwargs["kv_cache_memory_bytes"] > 0
+    assert "distributed_executor_backend" not in kwargs and kwargs["kv_cache_dtype"] == "auto"
 
 
 # ----------------------------------------------------------------------------- engine (needs vLLM)
@@ -382,3 +513,55 @@ def test_group_order_and_seeding(engine):
     assert torch.equal(again.response_ids, batch.response_ids)
     other = engine.generate(PROMPTS, SamplingConfig(n=n, temperature=1.0, max_new_tokens=10, seed=6))
     assert not torch.equal(other.response_ids, batch.response_ids)
+
+
+# ----------------------------------------------------------------------------- FP8 on a GPU (needs CUDA, vLLM)
+
+
+def _on_cpu(batch):
+    """The tensors of a rollout batch, on the CPU (the HF reference model runs there)."""
+    names = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs")
+    return SimpleNamespace(**{k: getattr(batch, k).cpu() for k in names})
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU of compute capability >= 8.9")
+def test_vllm_fp8_weights_and_kv_cache_follow_the_weights_on_gpu():
+    """vLLM fp8_per_block weights + fp8_per_token_head KV cache on the realistic tiny model: the log-probs stay
+    within the FP8 tolerance of fp32 before and after a weight sync (stale FP8 weights or KV scales would
+    not follow the sync), and they differ from the fp32 engine's (FP8 is really on)."""
+    pytest.importorskip("vllm")
+    from tests.gpu.realistic import FP8_LOGPROB_TOLERANCE, mean_abs_logprob_delta, realistic_tiny_qwen3
+
+    model = realistic_tiny_qwen3()
+    torch.cuda.set_device(0)
+    engine = VLLMRolloutEngine(model, precision="fp8", kv_cache_dtype="fp8", max_model_len=128, seed=0)
+    try:
+        assert engine.device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
+        sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=16, seed=1)
+        batch = engine.generate(PROMPTS, sampling)
+        assert batch.rollout_logprobs.device.type == "cuda"  # on the trainer's device
+        b = _on_cpu(batch)
+        delta = mean_abs_logprob_delta(hf_logprobs(model, b, 1.0), b.rollout_logprobs, b.response_mask)
+        print(f"vLLM fp8 W8A8 + fp8 KV vs fp32: mean |delta| = {delta:.4f}")
+        assert 0 < delta < FP8_LOGPROB_TOLERANCE
+
+        changed = copy.deepcopy(model)
+        with torch.no_grad():
+            changed.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+            changed.model.layers[2].self_attn.k_proj.weight.mul_(
+                4.0
+            )  # K 4x larger: stale KV scales would clip
+        _sync(engine, changed)
+        b = _on_cpu(engine.generate(PROMPTS, sampling))
+        new = mean_abs_logprob_delta(hf_logprobs(changed, b, 1.0), b.rollout_logprobs, b.response_mask)
+        old = mean_abs_logprob_delta(hf_logprobs(model, b, 1.0), b.rollout_logprobs, b.response_mask)
+        print(f"after sync: vs new weights {new:.4f}, vs old weights {old:.4f}")
+        assert new < FP8_LOGPROB_TOLERANCE < old
+    finally:
+        engine.close()

@@ -59,9 +59,9 @@ def _explain(group: str, node: DictConfig, err: BaseException) -> str:
     match = re.search(r"missing \d+ required (?:positional|keyword-only) arguments?: '(\w+)'", text)
     if isinstance(err, TypeError) and match:
         return f"{group}.{match.group(1)} is required by {target}"
-    first = re.match(r"[A-Za-z_]\w*", text)
-    if first and first.group(0) in node:
-        return f"{group}.{text} [{group}: {target}]"
+    first = re.match(r"(?:[A-Z]\w*\.)?([A-Za-z_]\w*)", text)  # "c_high must ..." or "Settings.steps must ..."
+    if first and first.group(1) in node:
+        return f"{group}.{first.group(1)}{text[first.end() :]} [{group}: {target}]"
     return f"{group}: {text} [{group}: {target}]"
 
 
@@ -145,6 +145,9 @@ def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_
             "rollout=int8 (fbgemm W8A8) runs on CPU; with a GPU trainer pick rollout=bf16/fp8_gemm/te_fp8/"
             "vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
         )
+    check = getattr(c.algorithm, "check_components", None)  # an algorithm's own cross-group rules
+    if check is not None:
+        check(c, cfg)
     aligned = getattr(c.policy, "aligned_quantization", None)
     if aligned is not None and c.trainer.strategy != "auto":
         raise ValueError(

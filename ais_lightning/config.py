@@ -153,28 +153,17 @@ class TrainConfig:
     """Where checkpoints, the summary and the default MLflow store go (Hydra's run directory)."""
 
 
-@dataclass
-class _TempWarmStart:  # TEMP until #19 lands
-    enabled: bool = True
-    steps: int = 500
-    batch_size: int = 128
-    lr: float = 3e-3
-    seed: Optional[int] = None  # noqa: UP045
-    cache_dir: Optional[str] = None  # noqa: UP045
-
-
 def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
     """Every built-in option target by group and schema name (the registries of the packages)."""
     from ais_lightning.correctors import CORRECTORS
     from ais_lightning.losses import LOSSES
     from ais_lightning.modules.grpo import GRPOSettings
+    from ais_lightning.modules.solrl import SolRLSettings
     from ais_lightning.policy import POLICIES
     from ais_lightning.tasks import TASKS
     from ais_lightning.tracking import LoggerSettings
     from ais_lightning.trainer import TrainerSettings
-    from ais_lightning import warmstart
-
-    WarmStartSettings = getattr(warmstart, "WarmStartSettings", _TempWarmStart)  # TEMP until #19 lands
+    from ais_lightning.warmstart import WarmStartSettings
 
     return {
         "policy": dict(POLICIES),
@@ -182,7 +171,7 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
         "loss": dict(LOSSES),
         "corrector": dict(CORRECTORS),
         "task": dict(TASKS),
-        "algorithm": {"grpo": GRPOSettings},
+        "algorithm": {"grpo": GRPOSettings, "solrl": SolRLSettings},
         "warmstart": {"default": WarmStartSettings},
         "trainer": {"default": TrainerSettings},
         "logger": {"default": LoggerSettings},

@@ -57,6 +57,48 @@ def check_aligned_quantization(recipe: str) -> None:
         )
 
 
+def check_aligned_schedule(
+    stages: Any, aligned_quantization: str | None = None
+) -> tuple[tuple[int, str], ...]:
+    """Validate a progressive aligned-quantization schedule; returns it as ``((start, recipe), ...)``.
+
+    ``stages``: ``[[0, "int8_nested"], [N1, "int4"], [N2, "int2"]]`` (pairs as lists or tuples; Hydra's
+    ``ListConfig`` works): recipe ``r`` runs from rollout step ``start`` to the next stage's start; starts
+    are ints strictly increasing from 0; every recipe names an ``ais_lightning.quant`` recipe.
+    ``aligned_quantization``, when given, must be the first stage's recipe (the forward before any step).
+    """
+    from ais_lightning.quant import RECIPES, PrecisionSchedule, get_recipe
+
+    if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__") or len(stages) == 0:
+        raise ValueError(
+            f"aligned_schedule must be a non-empty list of [start_step, recipe] pairs, got {stages!r}"
+        )
+    pairs = []
+    for i, stage in enumerate(stages):
+        if isinstance(stage, (str, bytes)) or not hasattr(stage, "__len__") or len(stage) != 2:
+            raise ValueError(f"aligned_schedule[{i}] must be a [start_step, recipe] pair, got {stage!r}")
+        start, recipe = stage[0], stage[1]
+        if not isinstance(recipe, str) or recipe not in RECIPES:
+            raise ValueError(
+                f"aligned_schedule[{i}] recipe {recipe!r} is not a quantization recipe; known: {sorted(RECIPES)}"
+            )
+        pairs.append((start, recipe))
+    try:
+        PrecisionSchedule(pairs)  # start steps: ints >= 0, strictly increasing, the first at 0
+    except ValueError as err:
+        raise ValueError(f"aligned_schedule: {err}") from err
+    if aligned_quantization is not None:
+        check_aligned_quantization(aligned_quantization)
+        if get_recipe(aligned_quantization) != get_recipe(pairs[0][1]):
+            raise ValueError(
+                f"aligned_quantization={aligned_quantization!r} contradicts aligned_schedule, whose first stage "
+                f"runs {pairs[0][1]!r}: the aligned forward starts at the first stage's recipe (with "
+                "corrector=qarl, aligned_quantization follows rollout.precision: set the rollout to the first "
+                "stage's precision)"
+            )
+    return tuple(pairs)
+
+
 def _check_ids_and_mask(ids: torch.Tensor, mask: torch.Tensor, name: str) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
         raise ValueError(f"{name}_ids must be a [B, L] long tensor, got {getattr(ids, 'dtype', type(ids))}")
@@ -167,6 +209,25 @@ def _cpu_snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.device.type == "cpu" else t.cpu()
 
 
+def _fsdp1_modules(module: nn.Module) -> list[nn.Module]:
+    """The FSDP1 (``FullyShardedDataParallel``) instances in ``module``'s tree."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return []
+    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def _prefix_in(root: nn.Module, module: nn.Module) -> str | None:
+    """The state-dict prefix of ``module`` inside ``root`` (wrapper names removed, ``""`` for the root
+    itself, with a trailing dot otherwise), or None when ``module`` is not in ``root``'s tree."""
+    for name, sub in root.named_modules():
+        if sub is module:
+            name = _clean_name(name + ".") if name else ""
+            return name
+    return None
+
+
 def _is_fsdp_module(module: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -223,6 +284,7 @@ class Policy(nn.Module):
         tokenizer: Any = None,
         logprob_chunk_size: int = 1024,
         aligned_quantization: str | None = None,
+        aligned_schedule: Any = None,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -242,9 +304,16 @@ class Policy(nn.Module):
         """Response positions per chunk in :meth:`batch_logprobs`: bounds the ``[chunk, V]`` logits memory."""
         if aligned_quantization is not None:
             check_aligned_quantization(aligned_quantization)
+        if aligned_schedule is not None:
+            aligned_schedule = check_aligned_schedule(aligned_schedule, aligned_quantization)
+            aligned_quantization = aligned_schedule[0][1]
         self.aligned_quantization = aligned_quantization
         """QaRL's rollout-aligned forward: the ``ais_lightning.quant`` recipe the trainer's linears run through
-        once :meth:`apply_aligned_quantization` is called (None = plain high-precision forward)."""
+        once :meth:`apply_aligned_quantization` is called (None = plain high-precision forward). With a
+        schedule: the first stage's recipe."""
+        self.aligned_schedule: tuple[tuple[int, str], ...] | None = aligned_schedule
+        """Progressive precision (Bit-by-Bit, arXiv 2604.07888): ``((start_rollout_step, recipe), ...)``, the
+        aligned forward's recipe by stage (:meth:`set_aligned_step` moves to a step's stage); None = one recipe."""
 
     def apply_aligned_quantization(self) -> bool:
         """QaRL (arXiv 2604.07853): run the trainer's linears through the rollout's quantization recipe.
@@ -261,6 +330,39 @@ class Policy(nn.Module):
             quantize_model(self.model, get_recipe(self.aligned_quantization), backend="emulate")
         return True
 
+    def aligned_stage_at(self, step: int) -> int:
+        """Index of the :attr:`aligned_schedule` stage active at rollout step ``step`` (0 without a schedule)."""
+        if self.aligned_schedule is None:
+            return 0
+        from ais_lightning.quant import PrecisionSchedule
+
+        return PrecisionSchedule(self.aligned_schedule).stage_at(step)
+
+    def aligned_recipe_at(self, step: int) -> str | None:
+        """The recipe name the aligned forward runs at rollout step ``step`` (None: no aligned forward)."""
+        if self.aligned_schedule is None:
+            return self.aligned_quantization
+        return self.aligned_schedule[self.aligned_stage_at(step)][1]
+
+    def set_aligned_step(self, step: int) -> str | None:
+        """Move the aligned forward to the recipe of rollout step ``step``; returns that recipe's name.
+
+        Quantizes first if :meth:`apply_aligned_quantization` has not run. A stage change switches every
+        quantized linear in place (:func:`ais_lightning.quant.switch_recipe`): the fp32 master weights, the
+        state dict and the optimizer state are untouched, so the stage is a function of the step alone and a
+        resumed run lands in the right stage. Returns None (and changes nothing) without an aligned forward.
+        """
+        recipe = self.aligned_recipe_at(step)
+        if recipe is None:
+            return None
+        from ais_lightning.quant import QuantLinear, get_recipe, switch_recipe
+
+        self.apply_aligned_quantization()
+        target = get_recipe(recipe)
+        if any(m.recipe != target for m in self.model.modules() if isinstance(m, QuantLinear)):
+            switch_recipe(self.model, target, backend="emulate")
+        return recipe
+
     @classmethod
     def from_pretrained(
         cls,
@@ -270,11 +372,13 @@ class Policy(nn.Module):
         tokenizer: Any = None,
         logprob_chunk_size: int = 1024,
         aligned_quantization: str | None = None,
+        aligned_schedule: Any = None,
         **model_kwargs,
     ) -> Policy:
         """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
-        ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``: as in the constructor."""
+        ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``: as
+        in the constructor."""
         from transformers import AutoModelForCausalLM
 
         path = os.fspath(path)
@@ -288,6 +392,7 @@ class Policy(nn.Module):
             tokenizer=tokenizer,
             logprob_chunk_size=logprob_chunk_size,
             aligned_quantization=aligned_quantization,
+            aligned_schedule=aligned_schedule,
         )
 
     @property
@@ -413,20 +518,35 @@ class Policy(nn.Module):
         return -masked_mean(out.logprobs, response_mask)
 
     @torch.no_grad()
-    def full_state_dict(self, rank0_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+    def full_state_dict(
+        self, rank0_only: bool = False, fsdp_root: nn.Module | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``.
 
         Includes everything ``model.state_dict()`` holds (``lm_head.weight`` beside a tied
         ``model.embed_tokens.weight``) plus the non-persistent buffers it leaves out (rotary ``inv_freq``,
         verl #5688), so an engine's copy of the model can be made identical with :func:`load_named_tensors`.
-        Sharded (FSDP2 DTensor) models are gathered with
-        ``torch.distributed.checkpoint.state_dict.get_model_state_dict``; it is a collective, so call it
-        on every rank. With ``rank0_only`` (``cpu_offload=True`` there: lower peak device memory) only rank
-        0 gets the tensors and other ranks get ``[]``; by default every rank gets them.
-        The tensors are snapshots: they never alias the live parameters.
+        Sharded models are gathered with ``torch.distributed.checkpoint.state_dict.get_model_state_dict``;
+        it is a collective, so call it on every rank. With ``rank0_only`` (``cpu_offload=True`` there: lower
+        peak device memory) only rank 0 gets the tensors and other ranks get ``[]``; by default every rank
+        gets them. The tensors are snapshots: they never alias the live parameters.
+
+        FSDP2 (``fully_shard``, DTensor parameters) needs nothing more. FSDP1 (``FullyShardedDataParallel``
+        units inside the model, e.g. Lightning's ``FSDPStrategy`` auto-wrapping the decoder layers) needs
+        ``fsdp_root``: the outermost FSDP1 module around this policy (Lightning: ``trainer.strategy.model``).
+        The state dict is then taken from the root and cut down to this policy's model. Calling
+        ``state_dict()`` on the inner model instead lazily initialises every wrapped layer as an FSDP root
+        (its state-dict pre-hook runs ``_lazy_init``), which makes the real root's first forward fail
+        FSDP's "Non-root FSDP instance's `_is_root` should not have been set" assertion (torch
+        ``distributed/fsdp/_runtime_utils.py``), and with several ranks returns the root-owned embedding,
+        norm and head as flat 1-D shards. Without ``fsdp_root`` an FSDP1 model raises ValueError.
         """
         model = self.model
-        if any(_is_dtensor(t) for t in model.parameters()):
+        if _fsdp1_modules(model):
+            state = self._fsdp1_state_dict(fsdp_root, rank0_only)
+            if rank0_only and not state:
+                return []
+        elif any(_is_dtensor(t) for t in model.parameters()):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
@@ -443,6 +563,31 @@ class Policy(nn.Module):
                 named.append((name, _cpu_snapshot(buf)))
                 seen.add(name)
         return named
+
+    def _fsdp1_state_dict(self, fsdp_root: nn.Module | None, rank0_only: bool) -> dict[str, torch.Tensor]:
+        """The full state dict of ``self.model`` taken from its FSDP1 root (see :meth:`full_state_dict`)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if fsdp_root is None:
+            raise ValueError(
+                "fsdp_root is required: policy.model is sharded by FSDP1 (FullyShardedDataParallel); pass the "
+                "outermost FSDP module around the policy (Lightning: trainer.strategy.model). Calling "
+                "state_dict() on the inner model would initialise each wrapped layer as an FSDP root and "
+                "break the real root's first forward"
+            )
+        prefix = _prefix_in(fsdp_root, self.model)
+        if prefix is None or not _fsdp1_modules(fsdp_root) or fsdp_root is not _fsdp1_modules(fsdp_root)[0]:
+            raise ValueError(
+                f"fsdp_root must be the outermost FullyShardedDataParallel module containing policy.model, got "
+                f"{type(fsdp_root).__name__}"
+            )
+        # FSDP1 under get_model_state_dict: FULL_STATE_DICT, offload_to_cpu = rank0_only = cpu_offload
+        # (torch distributed/checkpoint/state_dict.py, _verify_options).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        full = get_model_state_dict(fsdp_root, options=options)
+        return {
+            _clean_name(k)[len(prefix) :]: v for k, v in full.items() if _clean_name(k).startswith(prefix)
+        }
 
 
 @torch.no_grad()

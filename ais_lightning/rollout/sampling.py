@@ -7,8 +7,14 @@ for a sampled token is that of the distribution it was drawn from:
   the trainer uses (trl #4159);
 - top-k / top-p on: the log-prob under the *renormalized truncated* distribution, so
   log mu = log softmax(logits / T)[token] - log(kept mass) (trl #6789). The importance ratio
-  pi / mu then carries the kept mass; keep truncation off when a corrector is on (design.md 3);
+  pi / mu then carries the kept mass; keep truncation off when a corrector is on (docs/design.md section 3);
 - T == 0 (greedy): the token is the argmax and its log-prob is under the T = 1 distribution.
+
+Coupled noise: by default each decode step draws one uniform per running row from one generator, so
+a row's noise depends on the rest of the batch. Passing ``uniforms`` (one value per row, e.g. column
+``t`` of a ``[B, T]`` table from :func:`uniform_table`) makes the draw a function of the row alone:
+two engines given the same uniforms pick the same token wherever their CDFs put u in the same token
+(``ais_lightning.rollout.coupled``; Sol-RL, arXiv 2604.06916, regenerates chosen samples that way).
 """
 
 from __future__ import annotations
@@ -74,7 +80,38 @@ def sampling_logprobs(
     return torch.log_softmax(scaled, dim=-1)
 
 
-def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def check_uniforms(uniforms: torch.Tensor, shape: tuple[int, ...], name: str = "uniforms") -> None:
+    """Raise ValueError unless ``uniforms`` is a floating tensor of ``shape`` with values in [0, 1).
+
+    A trailing dimension of ``shape`` given as -1 accepts any size >= 1 (a table at least that long is
+    checked by the caller).
+    """
+    if not isinstance(uniforms, torch.Tensor) or not uniforms.is_floating_point():
+        kind = uniforms.dtype if isinstance(uniforms, torch.Tensor) else type(uniforms).__name__
+        raise ValueError(f"{name} must be a floating-point tensor, got {kind}")
+    if uniforms.dim() != len(shape) or any(want not in (-1, got) for want, got in zip(shape, uniforms.shape)):
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(uniforms.shape)}")
+    if uniforms.numel() and not bool(((uniforms >= 0) & (uniforms < 1)).all()):  # also rejects NaN
+        raise ValueError(f"{name} must lie in [0, 1)")
+
+
+def uniform_table(rows: int, steps: int, seed: int | None = None) -> torch.Tensor:
+    """One uniform in [0, 1) per row and decode step, float32.  # [rows, steps]
+
+    Row ``i``'s noise is ``table[i]`` whatever else is generated with it, so any subset of rows can be
+    generated again with the same noise (``ais_lightning.rollout.coupled.regenerate``).
+    """
+    for name, value in (("rows", rows), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return torch.rand((rows, steps), generator=make_generator(seed), dtype=torch.float32)
+
+
+def sample_from_logprobs(
+    logprobs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Draw one token per row from ``exp(logprobs)``.  # [B] long
 
     Inverse-CDF sampling: one uniform u per row, the token is the first index whose cumulative
@@ -82,11 +119,16 @@ def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | No
     top-p cut) are never drawn. One random number per row instead of one per vocabulary entry: the
     exponential race (argmax p_i / E_i) costs ~7 ms per decode step at [64, 4096] on this CPU.
     The fp32 running sum shifts each token's probability by at most ~V * 2^-24 of the row mass.
+    ``uniforms`` (``[B]`` in [0, 1)) replaces the draw from ``generator`` (coupled sampling).
     """
     _check_logits(logprobs)
     cdf = logprobs.float().exp().cumsum(dim=-1)  # [B, V], non-decreasing, last = total mass
     total = cdf[:, -1:]  # [B, 1]
-    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)  # [B, 1]
+    if uniforms is None:
+        u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)  # [B, 1]
+    else:
+        check_uniforms(uniforms, (logprobs.shape[0],))
+        u = uniforms.to(device=cdf.device, dtype=cdf.dtype)[:, None]  # [B, 1]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1], < total
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
 
@@ -97,11 +139,13 @@ def sample_next(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample the next token of every row and return ``(tokens [B] long, logprobs [B] fp32)``.
 
     ``logits`` is ``[B, V]`` in any float dtype. See the module docstring for which log-prob is
-    returned in each mode.
+    returned in each mode. ``uniforms`` (``[B]`` in [0, 1)) replaces the draw from ``generator``;
+    greedy decoding uses neither.
     """
     _check_logits(logits)
     truncated = (0 < top_k < logits.shape[-1]) or top_p < 1.0
@@ -109,7 +153,7 @@ def sample_next(
         tokens = logits.argmax(dim=-1)  # [B]
         return tokens, logprobs_from_logits(logits, tokens, 1.0)
     logp = sampling_logprobs(logits, temperature, top_k, top_p)  # [B, V]
-    tokens = sample_from_logprobs(logp, generator)  # [B]
+    tokens = sample_from_logprobs(logp, generator, uniforms)  # [B]
     if truncated:
         return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs_from_logits(logits, tokens, temperature)

@@ -29,10 +29,17 @@ from torch import nn
 
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
-from ais_lightning.rollout.engine_args import bind_engine_args, check_choice, check_pad_token_id
+from ais_lightning.rollout.engine_args import (
+    bind_engine_args,
+    check_choice,
+    check_pad_token_id,
+    cuda_capability,
+    cuda_device,
+    cuda_runtime_version,
+)
 from ais_lightning.rollout.kv_cache import FP8KVScales, KVWorkspace
 from ais_lightning.rollout.prompts import check_prompts, left_pad
-from ais_lightning.rollout.sampling import make_generator, sample_next
+from ais_lightning.rollout.sampling import check_uniforms, make_generator, sample_next
 from ais_lightning.rollout.torch_model import LeanLlama, sign_sin
 from ais_lightning.rollout.weight_sync import load_validated, requantize, validate_sync
 
@@ -44,21 +51,77 @@ __all__ = [
     "left_pad",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp8", "fp4", "int8", *NESTED_INT_RECIPES)
+PRECISIONS = ("fp32", "bf16", "fp8", "fp4", "int8", *NESTED_INT_RECIPES, "fp8_tensor", "fp8_channel")
 """Weight/activation precisions the torch engine supports: the Bit-by-Bit integer recipes
 (``int4``, ``int2``, their weight-only ``_w`` and outlier-split ``_ocs`` variants, the nested int8 grid;
-``ais_lightning.quant.NESTED_INT_RECIPES``) are emulated on CPU: exact numerics, no speed-up."""
+``ais_lightning.quant.NESTED_INT_RECIPES``) are emulated on CPU: exact numerics, no speed-up.
+``fp8_tensor`` / ``fp8_channel`` (per-tensor / per-row E4M3 scales) are the FP8 recipes the real FP8
+GEMM runs on every FP8 GPU (``backend="fp8_gemm"``); ``fp8`` (blockwise) runs there on Hopper only."""
 KV_CACHE_DTYPES = (None, "auto", "fp8")
 """KV-cache storage formats: None or ``"auto"`` = the model dtype, ``"fp8"`` = fake-quantized E4M3."""
-QUANT_BACKENDS = ("emulate", "int8")
+QUANT_BACKENDS = ("emulate", "int8", "fp8_gemm")
 """``ais_lightning.quant.quantize_model`` backends."""
+FP8_GEMM_PRECISIONS = ("fp8", "fp8_tensor", "fp8_channel")
+"""Precisions ``backend="fp8_gemm"`` (``torch._scaled_mm``) runs; requirements:
+:func:`ais_lightning.quant.linear.fp8_gemm_requirement`."""
 _DEFAULT_BACKEND = {
     "fp8": "emulate",
+    "fp8_tensor": "emulate",
+    "fp8_channel": "emulate",
     "fp4": "emulate",
     "int8": "int8",
     **dict.fromkeys(NESTED_INT_RECIPES, "emulate"),
 }
 """The quantization backend of each quantized precision when ``backend`` is None."""
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (or buffer); CPU for a module without tensors."""
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_engine_device(name: str, device: Any, backend: str | None, precision: str) -> str | None:
+    """``device`` checked (a torch device string, or None = the model's) and, for ``backend="fp8_gemm"``,
+    the GPU's requirements (:func:`ais_lightning.quant.linear.fp8_gemm_requirement`).
+
+    With ``device=None`` the model's device is not known yet (config time): the current CUDA device is
+    checked when there is one, and a machine without CUDA is refused for ``fp8_gemm``.
+    """
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"device must be None or a torch device such as 'cpu' or 'cuda:0', got {device!r}"
+            ) from err
+        if dev.type == "cuda":
+            dev = cuda_device(device, name)
+        device = str(dev)
+        if backend == "int8" and dev.type != "cpu":
+            raise ValueError(
+                f"device={device!r}: backend='int8' (fbgemm W8A8) runs on CPU only in {name}; use device='cpu'"
+            )
+    if backend != "fp8_gemm":
+        return device
+    from ais_lightning.quant.linear import fp8_gemm_requirement
+
+    recipe = "fp8_block" if precision == "fp8" else precision
+    if device is None and torch.cuda.is_available():
+        dev = cuda_device(None, name)
+    elif device is None:
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device(device)
+    capability = cuda_capability(dev) if dev.type == "cuda" else None
+    reason = fp8_gemm_requirement(recipe, capability, cuda_runtime_version())
+    if reason is not None:
+        raise ValueError(
+            f"backend='fp8_gemm' with precision={precision!r} cannot run on {dev}: {reason}. backend='emulate' "
+            f"gives the same recipe's numerics on any device [{name}]"
+        )
+    return device
 
 
 class TorchRolloutEngine:
@@ -70,8 +133,13 @@ class TorchRolloutEngine:
         precision: ``fp32`` | ``bf16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4`` (NVFP4) | ``int8``.
         kv_cache_dtype: None or ``"auto"`` (model dtype), or ``"fp8"`` (E4M3 fake-quantized, per-head scales).
         backend: quantization backend for fp8/fp4/int8: ``"emulate"`` (exact-numerics fake
-            quantization) or ``"int8"`` (fbgemm dynamic W8A8, the real CPU speed path, int8 only).
-            None: fp8/fp4 -> emulate, int8 -> int8.
+            quantization, any device), ``"int8"`` (fbgemm dynamic W8A8, the real CPU speed path, int8
+            only) or ``"fp8_gemm"`` (the real FP8 GEMM, ``torch._scaled_mm``, CUDA: ``fp8_tensor`` and
+            ``fp8_channel`` on compute capability >= 8.9, blockwise ``fp8`` on Hopper with CUDA >= 12.9;
+            checked by :meth:`check_args`). None: fp8/fp4 -> emulate, int8 -> int8.
+        device: where the engine's copy of the model lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); None:
+            the device of ``model`` (``ais-train`` hands the engine a model on the trainer's device).
+            ``"cuda"`` without an index is the current CUDA device (each rank's own GPU under Lightning).
         pad_token_id: id used to pad prompts and responses; default ``config.pad_token_id`` or 0.
         compact_below: when the fraction of still-running rows drops to this or below, finished
             rows are dropped from the batch (one gather of the KV cache) so they stop costing work.
@@ -95,6 +163,7 @@ class TorchRolloutEngine:
         kv_cache_dtype: str | None = None,
         backend: str | None = None,
         *,
+        device: str | None = None,
         pad_token_id: int | None = None,
         compact_below: float = 0.5,
     ) -> None:
@@ -102,6 +171,7 @@ class TorchRolloutEngine:
             precision=precision,
             kv_cache_dtype=kv_cache_dtype,
             backend=backend,
+            device=device,
             pad_token_id=pad_token_id,
             compact_below=compact_below,
         )
@@ -112,6 +182,9 @@ class TorchRolloutEngine:
 
         self.model = copy.deepcopy(model).eval()
         self.model.requires_grad_(False)
+        target = args["device"] if args["device"] is not None else _module_device(self.model)
+        self._check_device(target)
+        self.model.to(target)
         self._prepare_model()
         self.lean = LeanLlama(self.model)
         """The bound lean forward (:class:`ais_lightning.rollout.torch_model.LeanLlama`)."""
@@ -146,12 +219,18 @@ class TorchRolloutEngine:
                     f"got precision={precision!r}; use backend=None"
                 )
             check_choice(name, "backend", backend, QUANT_BACKENDS)
+            if backend == "fp8_gemm" and precision not in FP8_GEMM_PRECISIONS:
+                raise ValueError(
+                    f"backend='fp8_gemm' (torch._scaled_mm) runs precision in {list(FP8_GEMM_PRECISIONS)} in "
+                    f"{name}, got precision={precision!r}"
+                )
             if backend == "int8" and precision != "int8":
                 raise ValueError(
                     f"backend='int8' (fbgemm) only runs precision='int8' in {name}, got precision={precision!r}; "
                     f"backend for precision={precision!r} must be 'emulate' or None"
                 )
         args["backend"] = backend if backend is not None else _DEFAULT_BACKEND.get(precision)
+        args["device"] = _check_engine_device(name, args["device"], args["backend"], precision)
         compact_below = args["compact_below"]
         if isinstance(compact_below, bool) or not isinstance(compact_below, (int, float)):
             raise ValueError(f"compact_below must be a number in [0, 1) for {name}, got {compact_below!r}")
@@ -161,6 +240,17 @@ class TorchRolloutEngine:
         return args
 
     # ------------------------------------------------------------------ setup
+    def _check_device(self, device: torch.device) -> None:
+        """Refuse a device the backend cannot run on (the model's own device is only known here)."""
+        if self.backend == "int8" and device.type != "cpu":
+            raise ValueError(
+                f"device={str(device)!r}: backend='int8' (fbgemm W8A8) runs on CPU only; pass device='cpu' "
+                "for CPU rollouts, or pick a GPU precision (bf16, fp8 with backend='fp8_gemm', engine 'te' "
+                "or 'vllm')"
+            )
+        if self.backend == "fp8_gemm":
+            _check_engine_device("TorchRolloutEngine", str(device), "fp8_gemm", self.precision)
+
     def _prepare_model(self) -> None:
         """Cast or quantize the private copy in place."""
         if self.precision == "bf16":
@@ -186,6 +276,32 @@ class TorchRolloutEngine:
         """Free the KV-cache memory kept between ``generate`` calls (the next call allocates it again)."""
         self.kv_workspace.release()
 
+    def set_precision(self, precision: str) -> None:
+        """Switch the engine to another emulated quantization recipe in place (progressive precision).
+
+        For an engine on the ``emulate`` backend (fp8, fp4 and the nested integer recipes ``int8_nested``,
+        ``int4``, ``int2``, ``_w``, ``_ocs``): every quantized linear re-derives its cache from the weights
+        it holds (:func:`ais_lightning.quant.switch_recipe`), exactly as if the engine had been built at
+        ``precision`` from its current weights; FP8 KV-cache scales are recalibrated on the next prefill. A
+        precision that needs another backend or no quantization (fp32, bf16, fbgemm int8) raises ValueError
+        and changes nothing: build a new engine for those.
+        """
+        name = "TorchRolloutEngine.set_precision"
+        check_choice(name, "precision", precision, PRECISIONS)
+        if precision == self.precision:
+            return
+        if self.backend != "emulate" or _DEFAULT_BACKEND.get(precision) is None:
+            raise ValueError(
+                f"{name} switches between emulated quantized precisions, got {self.precision!r} (backend "
+                f"{self.backend!r}) -> {precision!r}; build a new engine for this change"
+            )
+        from ais_lightning.quant import get_recipe, switch_recipe
+
+        switch_recipe(self.model, get_recipe(precision), backend="emulate")
+        self.precision = precision
+        if self.kv_scales is not None:
+            self.kv_scales.reset()
+
     # ------------------------------------------------------------- weight sync
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights and buffers, all or nothing; re-quantize; recalibrate KV scales.
@@ -208,17 +324,35 @@ class TorchRolloutEngine:
 
     # --------------------------------------------------------------- generate
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
-        """Sample ``sampling.n`` responses per prompt (rows of one prompt are contiguous)."""
-        check_prompts(prompts, self.vocab_size)
-        with self.forward_context():
-            return self._generate(prompts, sampling)
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, *, uniforms: torch.Tensor | None = None
+    ) -> RolloutBatch:
+        """Sample ``sampling.n`` responses per prompt (rows of one prompt are contiguous).
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        ``uniforms``: an optional ``[len(prompts) * n, >= max_new_tokens]`` table in [0, 1); row ``i``
+        then samples step ``t`` with ``uniforms[i, t]`` (its own noise, kept through compaction) instead
+        of the seeded generator, and the batch records the table in ``extras["uniforms"]`` so that rows
+        can be generated again with the same noise (``ais_lightning.rollout.coupled.regenerate``).
+        """
+        check_prompts(prompts, self.vocab_size)
+        if uniforms is not None:
+            check_uniforms(uniforms, (len(prompts) * sampling.n, -1))
+            if uniforms.shape[1] < sampling.max_new_tokens:
+                raise ValueError(
+                    f"uniforms has {uniforms.shape[1]} columns, fewer than max_new_tokens="
+                    f"{sampling.max_new_tokens}"
+                )
+        with self.forward_context():
+            return self._generate(prompts, sampling, uniforms)
+
+    def _generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, uniforms: torch.Tensor | None = None
+    ) -> RolloutBatch:
         lean, kv_scales = self.lean, self.kv_scales
         dev, dtype, n = self.device, self.dtype, sampling.n
         num_layers = len(lean.layers)
         gen = make_generator(sampling.seed, dev)
+        noise = uniforms.to(dev) if uniforms is not None else None  # [B, >= N], indexed by original row
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # [Bp, P]
         prompt_ids, prompt_mask = prompt_ids.to(dev), prompt_mask.to(dev)
         bp, plen = prompt_ids.shape
@@ -284,7 +418,8 @@ class TorchRolloutEngine:
         alive = torch.ones(batch, dtype=torch.bool, device=dev)  # [R]
         steps = 0
         for t in range(new):
-            tok, lp = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, gen)  # [R]
+            u = noise[rows, t] if noise is not None else None  # [R]
+            tok, lp = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, gen, u)  # [R]
             steps = t + 1
             if stop_ids.numel():
                 out_ids[out_rows, t] = torch.where(alive, tok, self.pad_token_id)
@@ -331,4 +466,5 @@ class TorchRolloutEngine:
             rollout_logprobs=out_lp[:, :steps],
             finish_reason=finish,
             prompt_index=index,
+            extras={"uniforms": uniforms} if uniforms is not None else {},
         )

@@ -122,3 +122,67 @@ def test_inverse_cdf_never_draws_zero_probability_tokens_even_at_u_near_one(monk
 
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 1 - 2**-24, dtype=kw["dtype"]))
     assert sample_from_logprobs(logp).tolist() == [3]
+
+
+def test_given_uniforms_pick_the_inverse_cdf_token_of_each_row():
+    """probs [0.25, 0.75]: u in [0, 0.25) draws token 0, u in [0.25, 1) token 1; the generator is unused."""
+    from ais_lightning.rollout.sampling import sample_from_logprobs
+
+    logp = torch.tensor([[0.25, 0.75]]).log().expand(4, -1)  # [4, 2]
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.999])
+    assert sample_from_logprobs(logp, uniforms=u).tolist() == [0, 0, 1, 1]
+    gen = make_generator(0)
+    state = gen.get_state()
+    tokens, lp = sample_next(torch.tensor([[0.25, 0.75]]).log().expand(4, -1), 1.0, generator=gen, uniforms=u)
+    assert tokens.tolist() == [0, 0, 1, 1]
+    assert torch.equal(gen.get_state(), state), "the generator draws nothing when uniforms are given"
+    assert torch.allclose(lp.exp(), torch.tensor([0.25, 0.25, 0.75, 0.75]))
+
+
+def test_given_uniforms_follow_the_distribution():
+    from ais_lightning.rollout.sampling import uniform_table
+
+    logits = [1.5, 0.5, 0.0, -0.5, 1.0, -1.0]
+    expected = _softmax_by_hand(logits, 1.0)
+    n = 40_000
+    u = uniform_table(n, 1, seed=11)[:, 0]  # [N]
+    tokens, _ = sample_next(torch.tensor(logits).expand(n, -1), 1.0, uniforms=u)
+    counts = torch.bincount(tokens, minlength=6).double()
+    chi2 = sum((float(c) - n * p) ** 2 / (n * p) for c, p in zip(counts, expected))
+    assert chi2 < CHI2_DF5_P001
+
+
+def test_a_rows_uniforms_decide_its_token_whatever_the_other_rows():
+    """Per-row noise: row i's token depends on its own uniform only, so any subset of rows resamples alike."""
+    logits = torch.randn(16, 30, generator=torch.Generator().manual_seed(0))
+    u = torch.rand(16, generator=torch.Generator().manual_seed(1))
+    full, _ = sample_next(logits, 0.8, uniforms=u)
+    subset = torch.tensor([3, 7, 8, 15])
+    part, _ = sample_next(logits[subset], 0.8, uniforms=u[subset])
+    assert torch.equal(part, full[subset])
+
+
+def test_uniform_table_is_seeded_and_bad_uniforms_raise():
+    from ais_lightning.rollout.sampling import check_uniforms, sample_from_logprobs, uniform_table
+
+    a, b = uniform_table(5, 3, seed=2), uniform_table(5, 3, seed=2)
+    assert a.shape == (5, 3) and a.dtype == torch.float32 and torch.equal(a, b)
+    assert not torch.equal(a, uniform_table(5, 3, seed=3))
+    assert bool(((a >= 0) & (a < 1)).all())
+    for rows, steps, name in ((0, 3, "rows"), (2, 0, "steps"), (True, 3, "rows"), (2, 1.5, "steps")):
+        with pytest.raises(ValueError, match=name):
+            uniform_table(rows, steps)
+    logp = torch.zeros(2, 3)
+    bad = {
+        "shape": torch.zeros(3),
+        "floating": torch.zeros(2, dtype=torch.long),
+        r"\[0, 1\)": torch.tensor([0.5, 1.0]),
+    }
+    for match, u in bad.items():
+        with pytest.raises(ValueError, match=f"uniforms.*{match}"):
+            sample_from_logprobs(logp, uniforms=u)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        check_uniforms(torch.tensor([float("nan")]), (1,))
+    check_uniforms(torch.zeros(2, 7), (2, -1))  # -1: any width
+    with pytest.raises(ValueError, match=r"shape \(3, -1\)"):
+        check_uniforms(torch.zeros(2, 7), (3, -1))

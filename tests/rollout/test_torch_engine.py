@@ -335,7 +335,10 @@ def test_sync_rejects_unknown_names_and_leaves_weights(model):
             {"precision": "fp32", "backend": "emulate"},
             "^backend='emulate' is only used by TorchRolloutEngine with precision in",
         ),
-        ({"precision": "int8", "backend": "fbgemm"}, "^backend='fbgemm'.*one of \\['emulate', 'int8'\\]"),
+        (
+            {"precision": "int8", "backend": "fbgemm"},
+            "^backend='fbgemm'.*one of \\['emulate', 'int8', 'fp8_gemm'\\]",
+        ),
         ({"precision": "fp8", "backend": "int8"}, "^backend='int8'.*must be 'emulate' or None"),
         ({"compact_below": 1.0}, "^compact_below must be in \\[0, 1\\)"),
         ({"compact_below": "0.5"}, "^compact_below must be a number"),
@@ -354,6 +357,7 @@ def test_check_args_fills_the_constructor_defaults_and_normalizes():
         "precision": "fp32",
         "kv_cache_dtype": None,
         "backend": None,
+        "device": None,  # the device of the model the engine is given
         "pad_token_id": None,
         "compact_below": 0.5,
     }

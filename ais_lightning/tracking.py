@@ -165,12 +165,7 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
         return CSVLogger(save_dir=output_dir, name="csv")
     from lightning.pytorch.loggers import MLFlowLogger
 
-    explicit = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    run_id = None
-    if resume and (not explicit or explicit == resume.get("tracking_uri")):
-        uri, run_id = resume["tracking_uri"], resume["run_id"]
-    else:
-        uri = resolve_tracking_uri(settings.tracking_uri, output_dir)
+    uri, run_id = logger_target(settings, output_dir, resume)
     artifact_location = None
     if uri.startswith("sqlite:///"):
         artifact_location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts")
@@ -184,21 +179,74 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
             run_id=run_id,
             synchronous=True,
         )
+        _start_run(logger)
     if lock is not None:
         logger._mlflow_client = _LockedClient(logger._mlflow_client, lock)
     return logger
 
 
-def check_tracking_uri(settings: LoggerSettings, output_dir: str, timeout_s: float = 5.0) -> None:
-    """Fail now, naming ``logger.tracking_uri``, if the MLflow store cannot be reached or written.
+def _start_run(logger: Any) -> None:
+    """Get or create the experiment and create (or look up) the run now.
 
-    An HTTP(S) server must answer its ``/health`` endpoint within ``timeout_s`` (MLflow's own client would
-    retry for minutes, after the warm start); a SQLite store's directory must be writable.
+    ``MLFlowLogger`` does it lazily with two store calls (get the experiment by name, else create it): two
+    jobs of a parallel sweep can both find no experiment and both create it, and the second fails
+    ("Experiment(name=...) already exists"). :func:`build_logger` calls this under the store lock (SQLite);
+    for a server, where there is no lock, the loser of the race finds the experiment on a second look.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        _ = logger.experiment
+    except MlflowException as err:
+        if getattr(err, "error_code", "") != "RESOURCE_ALREADY_EXISTS" and "already exists" not in str(err):
+            raise
+        _ = logger.experiment  # the experiment another job created meanwhile
+
+
+def logger_target(
+    settings: LoggerSettings, output_dir: str, resume: dict[str, Any] | None = None
+) -> tuple[str, str | None]:
+    """``(tracking URI, run id to continue or None)`` of the MLflow logger :func:`build_logger` builds.
+
+    A resumed run continues the checkpoint's run in the store it was logged to, unless
+    ``logger.tracking_uri`` or ``$MLFLOW_TRACKING_URI`` name another store (then a new run starts there).
+    """
+    explicit = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if resume and (not explicit or explicit == resume.get("tracking_uri")):
+        return resume["tracking_uri"], resume["run_id"]
+    return resolve_tracking_uri(settings.tracking_uri, output_dir), None
+
+
+def check_tracking_uri(
+    settings: LoggerSettings,
+    output_dir: str,
+    resume: dict[str, Any] | None = None,
+    timeout_s: float = 5.0,
+) -> None:
+    """Fail now, naming where the URI comes from, if the MLflow store cannot be reached or written.
+
+    The store checked is the one the run will log to (:func:`logger_target`; for a resume, the store of
+    the checkpoint's run). An HTTP(S) server must answer its ``/health`` endpoint within ``timeout_s``
+    (MLflow's own client would retry for minutes, after the warm start); a SQLite store's directory must
+    be writable, and a resumed run's SQLite store must exist.
     """
     if settings.name != "mlflow":
         return
-    uri = resolve_tracking_uri(settings.tracking_uri, output_dir)
-    key = "logger.tracking_uri" if settings.tracking_uri else "$MLFLOW_TRACKING_URI"
+    uri, run_id = logger_target(settings, output_dir, resume)
+    hint = ""
+    if run_id is not None:
+        key, where = "ckpt_path's MLflow store", f"ckpt_path's MLflow run is logged at {uri}, which"
+        hint = "; set logger.tracking_uri to log the resumed run to another store"
+        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+            raise ValueError(f"{where} does not exist{hint}")
+    else:
+        if settings.tracking_uri:
+            key = "logger.tracking_uri"
+        elif os.environ.get("MLFLOW_TRACKING_URI"):
+            key = "$MLFLOW_TRACKING_URI"
+        else:
+            key = "output_dir"  # the default store, under the output (or sweep) directory
+        where = f"{key}={uri}"
     if uri.startswith(("http://", "https://")):
         import urllib.error
         import urllib.request
@@ -208,14 +256,12 @@ def check_tracking_uri(settings: LoggerSettings, output_dir: str, timeout_s: flo
                 ok = response.status == 200
         except (urllib.error.URLError, OSError) as err:
             raise ValueError(
-                f"{key}={uri} is not reachable (no MLflow server answered /health: {err})"
+                f"{where} is not reachable (no MLflow server answered /health: {err}){hint}"
             ) from err
         if not ok:
-            raise ValueError(f"{key}={uri} answered /health with HTTP {response.status}")
+            raise ValueError(f"{where} answered /health with HTTP {response.status}{hint}")
     elif uri.startswith("sqlite:///"):
-        check_writable(
-            Path(uri.removeprefix("sqlite:///")).parent, key if settings.tracking_uri else "output_dir"
-        )
+        check_writable(Path(uri.removeprefix("sqlite:///")).parent, key)
 
 
 def check_writable(directory: Path, key: str) -> None:

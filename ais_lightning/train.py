@@ -55,29 +55,23 @@ def _read_checkpoint(path: str) -> dict[str, Any]:
         raise ValueError(f"ckpt_path={path} cannot be read as a checkpoint: {err}") from err
 
 
-def _warm_start(policy: Any, c: Any, cfg: DictConfig) -> str:
-    """SFT warm start (or the cached one); returns what the summary says about it."""
-    from dataclasses import asdict
+def _warm_start(policy: Any, c: Any, cfg: DictConfig) -> Any:
+    """The SFT warm start (or the cached one): its ``WarmStartResult``, or None when it is off."""
+    from ais_lightning.warmstart import WarmStartError, warm_start
 
-    from ais_lightning.warmstart import warm_start
-
-    s = c.warmstart
-    if not s.enabled:
-        return "off"
-    _, cache_path, cached = warm_start(
-        policy,
-        policy.tokenizer,
-        c.task,
-        type(c.task).__qualname__,
-        asdict(c.task),
-        steps=s.steps,
-        batch_size=s.batch_size,
-        lr=s.lr,
-        seed=cfg.seed if s.seed is None else s.seed,
-        cache_dir=s.cache_dir,
-        progress_bar=c.trainer.enable_progress_bar,
-    )
-    return f"{'loaded from' if cached else 'trained, cached in'} {cache_path}"
+    if not c.warmstart.enabled:
+        return None
+    try:
+        return warm_start(
+            policy,
+            policy.tokenizer,
+            c.task,
+            c.warmstart,
+            seed=cfg.seed,
+            progress_bar=c.trainer.enable_progress_bar,
+        )
+    except WarmStartError as err:  # a clear error naming the band and what to change, not a traceback
+        raise SystemExit(f"ais-train: the warm start failed: {err}") from err
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -108,20 +102,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # --- cheap checks first: nothing heavy is built before the config is known to be sound.
     c = validate(cfg)
     check_writable(Path(cfg.output_dir), "output_dir")
-    check_tracking_uri(c.logger, cfg.output_dir)
     ckpt_path = resolve_checkpoint(cfg.ckpt_path, cfg.output_dir)
     checkpoint = _read_checkpoint(ckpt_path) if ckpt_path else {}
     resume = mlflow_run_of(checkpoint) if ckpt_path else None
+    check_tracking_uri(c.logger, cfg.output_dir, resume)  # the store the run will log to
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
 
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy = c.policy.build(cfg.seed)
-    warm_info = _warm_start(policy, c, cfg) if ckpt_path is None else f"off (resumed from {ckpt_path})"
+    warm = _warm_start(policy, c, cfg) if ckpt_path is None else None
+    warm_info = (
+        warm.describe() if warm else ("off" if ckpt_path is None else f"off (resumed from {ckpt_path})")
+    )
 
     algo = c.algorithm
-    module = GRPOModule(
+    module_class = getattr(algo, "module_class", None)  # an algorithm may run its own module (solrl)
+    module = (module_class() if module_class is not None else GRPOModule)(
         policy=policy,
         task=c.task,
         corrector=c.corrector,
@@ -169,6 +167,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     continues = bool(resume) and getattr(logger, "run_id", None) == resume["run_id"]
     if logger and not continues:  # a new run (also when a resume is sent to another store explicitly)
         logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
+        if warm is not None:  # the start the run's gains are measured from
+            logger.log_metrics({"warmstart/accuracy": warm.accuracy, "warmstart/steps": warm.steps}, step=0)
     elif continues:
         reopen_run(logger)  # continue the checkpoint's run; its params stay those of its first start
         logger.experiment.set_tag(
@@ -201,6 +201,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary["status"] = "finished" if status == "finished" else "interrupted"
     val = {**recovered, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     summary["validation_start"] = dict(module.validation_start)
+    if warm is not None:
+        summary["warm_start"] = {
+            "accuracy": warm.accuracy,
+            "eval_size": warm.eval_size,
+            "steps": warm.steps,
+            "from_cache": warm.from_cache,
+            "path": str(warm.path),
+        }
     summary["validation"] = val
     summary["wall_time_s"] = time.perf_counter() - started
     if trainer.is_global_zero:

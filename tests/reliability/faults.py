@@ -1,0 +1,102 @@
+"""Faulty parts for the fault-injection tests, plugged into real ``ais-train`` runs, and a timed driver.
+
+The parts are what a user could plug in by one YAML file on Hydra's search path (``hydra.searchpath``):
+
+- :class:`NaNLogprobEngine`: a rollout engine whose log-probs are NaN on every sampled token;
+- :class:`FlakyArithmetic`: the arithmetic task with a reward function that raises (always, or on every
+  other call) and warns once.
+
+``python -m tests.reliability.faults ARGS`` is ``ais-train ARGS`` with the libraries every run imports
+loaded first; it prints ``RUN_SECONDS=<s>`` (the run itself, without the interpreter start and the
+imports, which take tens of seconds on a busy machine) to stderr when it ends. With
+``$AIS_TEST_FROZEN_NOW`` set (an ISO time), Hydra's clock (``${now:...}`` in the run directory) reads that
+time, so that two real processes start "in the same second" as far as Hydra can tell, every time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ais_lightning.rollout.torch_engine import TorchRolloutEngine
+from ais_lightning.tasks.arithmetic import Arithmetic
+
+FROZEN_NOW = "AIS_TEST_FROZEN_NOW"
+"""Environment variable: the ISO time Hydra's ``${now:...}`` reads in ``python -m tests.reliability.faults``."""
+USER_WARNING = "flaky reward: a warning of the task's own"
+"""The warning :class:`FlakyArithmetic` emits once (a real warning that must still reach the user)."""
+
+
+class NaNLogprobEngine(TorchRolloutEngine):
+    """The torch engine, except that every sampled token's log-prob is NaN (e.g. a broken low-precision
+    kernel): every rollout step of a run with it has non-finite log-probs."""
+
+    def generate(self, prompts: Any, sampling: Any) -> Any:
+        batch = super().generate(prompts, sampling)
+        batch.rollout_logprobs = batch.rollout_logprobs.masked_fill(batch.response_mask, float("nan"))
+        return batch
+
+
+@dataclass
+class FlakyArithmetic(Arithmetic):
+    """Arithmetic whose reward function raises on every call (``fail="always"``) or on every other call,
+    the first included (``fail="every_other"``); it warns once (:data:`USER_WARNING`)."""
+
+    fail: str = "always"
+    """always | every_other."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fail not in ("always", "every_other"):
+            raise ValueError(f"fail must be 'always' or 'every_other', got {self.fail!r}")
+        self._calls = 0
+
+    def reward(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        self._calls += 1
+        if self._calls == 1:
+            warnings.warn(USER_WARNING, UserWarning, stacklevel=2)
+        if self.fail == "always" or self._calls % 2 == 1:
+            raise RuntimeError(f"flaky reward failed on call {self._calls}")
+        return super().reward(prompts, completions, **fields)
+
+
+def _freeze_hydra_clock(iso: str) -> None:
+    """Hydra's ``${now:...}`` reads ``iso`` (e.g. ``2026-01-02T03:04:05``) instead of the wall clock."""
+    import datetime
+
+    import hydra.core.utils
+
+    frozen = datetime.datetime.fromisoformat(iso)
+
+    class FrozenClock(datetime.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> datetime.datetime:
+            return frozen
+
+    hydra.core.utils.datetime = FrozenClock
+
+
+def _timed_main() -> None:
+    import lightning  # noqa: F401 - every run imports these; loaded before the clock starts
+    import mlflow  # noqa: F401
+
+    from ais_lightning import train
+
+    if os.environ.get(FROZEN_NOW):
+        _freeze_hydra_clock(os.environ[FROZEN_NOW])
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        train.main()
+    finally:
+        print(f"RUN_SECONDS={time.perf_counter() - started:.3f}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    _timed_main()

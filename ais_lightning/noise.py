@@ -34,8 +34,18 @@ class _DropKnownInfo(logging.Filter):
 _FILTER = _DropKnownInfo()
 
 
+QUIET_LOGGERS = (
+    # MLflow announces creating and migrating its SQLite store's tables on the first run of a store.
+    "mlflow.store.db.utils",
+    "alembic.runtime.migration",
+)
+"""Loggers whose INFO lines are the tracking store's housekeeping; their warnings still print."""
+
+
 def silence_known_noise() -> None:
     """Install the filters above (idempotent)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     for pattern in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

@@ -196,6 +196,10 @@ def _start_run(logger: Any) -> None:
     from mlflow.exceptions import MlflowException
 
     try:
+        client = logger._mlflow_client
+        if logger._run_id is None and client.get_experiment_by_name(logger._experiment_name) is None:
+            # created here, quietly: MLFlowLogger would warn "Experiment ... not found. Creating it."
+            client.create_experiment(logger._experiment_name, artifact_location=logger._artifact_location)
         _ = logger.experiment
     except MlflowException as err:
         if getattr(err, "error_code", "") != "RESOURCE_ALREADY_EXISTS" and "already exists" not in str(err):

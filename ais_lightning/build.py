@@ -128,6 +128,11 @@ def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_
             f"policy.response_length={length} must equal algorithm.max_new_tokens={c.algorithm.max_new_tokens} "
             "(a masked-diffusion policy is warm-started on the canvas length its engine samples)"
         )
+    if length is not None and c.warmstart.enabled and c.warmstart.max_new_tokens != length:
+        raise ValueError(
+            f"warmstart.max_new_tokens={c.warmstart.max_new_tokens} must equal policy.response_length={length} "
+            "(the warm start's greedy evaluation samples a canvas of that length)"
+        )
     own = getattr(c.loss, "own_correction", None)
     if own and not isinstance(c.corrector, NoCorrection):
         raise ValueError(

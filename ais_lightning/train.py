@@ -39,16 +39,30 @@ def resolve_checkpoint(ckpt_path: str | None, output_dir: str) -> str | None:
         if ckpt_path is not None and not Path(ckpt_path).is_file():
             raise ValueError(f"ckpt_path={ckpt_path} does not exist")
         return ckpt_path
+    from ais_lightning.files import hash_path
+
     found = list((Path(output_dir) / "checkpoints").glob("*.ckpt"))
     if not found:
         raise ValueError(f"ckpt_path=last but {Path(output_dir) / 'checkpoints'} holds no checkpoint")
-    return str(max(found, key=lambda p: p.stat().st_mtime_ns))
+    # A checkpoint is complete once its hash sidecar is written: a kill between the two leaves the newest
+    # checkpoint without one, and the newest complete one is resumed instead.
+    complete = [p for p in found if hash_path(p.resolve()).exists()]
+    if not complete:
+        raise ValueError(
+            f"ckpt_path=last but no checkpoint under {Path(output_dir) / 'checkpoints'} has its .sha256 "
+            f"sidecar (incomplete writes, or written before checkpoints were hashed): {sorted(p.name for p in found)}"
+        )
+    return str(max(complete, key=lambda p: p.stat().st_mtime_ns))
 
 
 def _read_checkpoint(path: str) -> dict[str, Any]:
     """The checkpoint's contents (memory-mapped: the metadata is read, the tensors are not copied)."""
     import torch
 
+    from ais_lightning.files import VerifiedCheckpointIO
+
+    if not Path(path).is_dir():  # a distributed checkpoint (a directory) carries no sidecar
+        VerifiedCheckpointIO().verify(path)  # a missing or wrong hash is refused, naming the file
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as err:
@@ -81,6 +95,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from ais_lightning.build import validate
+    from ais_lightning.files import VerifiedCheckpointIO
     from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.noise import silence_known_noise
     from ais_lightning.summary import format_summary, summarize, write_summary
@@ -111,7 +126,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    policy = c.policy.build(cfg.seed)
+    # With a warm start the initial weights are the warm start's (they are in its cache key): every RL seed
+    # of a sweep then shares one warm start (warmstart.seed, else the run's seed).
+    init_seed = c.warmstart.seed if c.warmstart.enabled and c.warmstart.seed is not None else cfg.seed
+    policy = c.policy.build(init_seed)
     warm = _warm_start(policy, c, cfg) if ckpt_path is None else None
     warm_info = (
         warm.describe() if warm else ("off" if ckpt_path is None else f"off (resumed from {ckpt_path})")
@@ -154,6 +172,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=logger,
+        plugins=[VerifiedCheckpointIO()],  # every checkpoint gets a SHA-256 sidecar, checked on resume
         callbacks=[
             checkpoint_callback(cfg.output_dir, every),
             MLflowRunInCheckpoint(logger),

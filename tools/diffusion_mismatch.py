@@ -67,13 +67,10 @@ def sft(policy, data, steps: int, lr: float, seed: int, log_every: int = 100) ->
 
 
 def rewards_of(task, samples, batch, tokenizer) -> list[float]:
-    completions = [
-        tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
-        for ids, mask in zip(batch.response_ids, batch.response_mask)
-    ]
-    rows = batch.prompt_index.tolist()
-    fields = {k: [samples[i].fields[k] for i in rows] for k in samples[0].fields}
-    return task.reward([samples[i].prompt for i in rows], completions, **fields)
+    """Task rewards of every row of ``batch`` (row ``i`` answers ``samples[batch.prompt_index[i]]``)."""
+    from ais_lightning.tasks import batch_rewards
+
+    return batch_rewards(task, samples, batch, tokenizer)[0]
 
 
 def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, Any]]:

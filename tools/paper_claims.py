@@ -1,7 +1,8 @@
 """Check the AIS paper's claims on a sweep report: the numbers behind docs/results.md.
 
 Reads the ``report.json`` that ``tools/sweep_report.py`` wrote for a precision x corrector x seed
-sweep with an fp32 baseline (rows grouped by ``rollout.precision`` and ``corrector.name``) and
+sweep with an fp32 baseline (rows grouped by the ``rollout`` and ``corrector`` options, or by the
+``rollout.precision`` / ``corrector.name`` params of older stores) and
 prints a markdown section, one claim per heading, each with the measured numbers:
 
 1. uncorrected low precision loses part of the fp32 gain (val acc gain, none vs fp32);
@@ -26,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-PRECISION, CORRECTOR = "rollout.precision", "corrector.name"
+from ais_lightning.report import reference_keys
 
 
 def _stat(row: dict, col: str) -> tuple[float, float, int]:
@@ -75,7 +76,8 @@ def _fmt(x: float, spec: str = "+.3f") -> str:
 
 
 def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_gain") -> str:
-    rows = {(r["group"].get(PRECISION), r["group"].get(CORRECTOR)): r for r in report["rows"]}
+    precision, corrector = reference_keys(list(report["rows"][0]["group"]) if report["rows"] else [])
+    rows = {(r["group"].get(precision), r["group"].get(corrector)): r for r in report["rows"]}
     base = rows.get(("fp32", "none"))
     if base is None:
         raise ValueError("report has no fp32 / none row (the full-precision baseline)")

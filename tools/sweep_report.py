@@ -2,7 +2,7 @@
 
 Usage:
   .venv/bin/python tools/sweep_report.py --tracking-uri sqlite:///multirun/.../mlflow.db \\
-      --experiment ais-lightning --out reports/sweep1 [--group-by rollout.precision,corrector.name] \\
+      --experiment ais-lightning --out reports/sweep1 [--group-by rollout,corrector] \\
       [--metric-map val_accuracy=val/accuracy_trainer] [--plot ais/severity --plot ais/reliability]
 
 Writes into --out: report.md (one row per configuration, seeds averaged: mean ± sample std),
@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--group-by",
         default=None,
-        help="comma-separated params defining a configuration (default: rollout.precision,corrector.name "
-        "when logged, else every param that varies across runs except seed)",
+        help="comma-separated params defining a configuration (default: rollout,corrector, the options "
+        "picked, when logged, else every param that varies across runs except seed)",
     )
     parser.add_argument(
         "--metric-map",

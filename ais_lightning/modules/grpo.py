@@ -246,20 +246,21 @@ class GRPOModule(LightningModule):
             self.eval_engine = self._build_engine(self.eval_engine_factory, state)
         self.apply_precision_schedule()  # a resumed run lands in the stage of its step
 
-    def apply_precision_schedule(self) -> dict[str, float]:
-        """Progressive precision: move the aligned forward and the rollout engine to this step's stage together.
+    def apply_precision_schedule(self, step: int | None = None) -> dict[str, float]:
+        """Progressive precision: move the aligned forward and the rollout engine to a step's stage together.
 
         With ``policy.aligned_schedule`` (Bit-by-Bit, e.g. int8 -> int4 -> int2) the stage is a function of
-        the rollout step alone, so this is idempotent and a resumed run lands in the right stage. The
-        trainer's quantized linears switch recipe (fp32 master weights and optimizer state untouched) and the
-        engine switches its precision in place (``engine.set_precision``). Returns the ``quant/stage`` and
-        ``quant/bits`` (weight bits) to log; empty without a schedule.
+        the rollout step alone (``step``, default: the next one to train), so this is idempotent and a
+        resumed run lands in the right stage. The trainer's quantized linears switch recipe (fp32 master
+        weights and optimizer state untouched) and the engine switches its precision in place
+        (``engine.set_precision``). Returns the ``quant/stage`` and ``quant/bits`` (weight bits) to log;
+        empty without a schedule.
         """
         if getattr(self.policy, "aligned_schedule", None) is None:
             return {}
         from ais_lightning.quant import FORMATS, get_recipe
 
-        step = self.rollout_step
+        step = self.rollout_step if step is None else step
         recipe = self.policy.set_aligned_step(step)
         if self.engine is not None and getattr(self.engine, "precision", recipe) != recipe:
             if not callable(getattr(self.engine, "set_precision", None)):
@@ -550,10 +551,10 @@ class GRPOModule(LightningModule):
     def on_validation_start(self) -> None:
         if self.engine is None:  # validation before training (sanity check) or trainer.validate
             self.on_train_start()
-        else:
-            self.apply_precision_schedule()  # validate the engine at the stage of the step reached
-            if self.eval_engine is not None:
-                self.eval_engine.sync_weights(self._full_state())
+        elif self.eval_engine is not None:
+            self.eval_engine.sync_weights(self._full_state())
+        # progressive precision: validate in the stage of the last step trained (the next step switches on)
+        self.apply_precision_schedule(max(self.rollout_step - 1, 0))
 
     # ------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ais_lightning.policy.policy import Policy, check_aligned_quantization
+from ais_lightning.policy.policy import Policy, check_aligned_quantization, check_aligned_schedule
 
 DTYPES = ("float32", "bfloat16")
 """Trainer precisions: float32 (the CPU default: bf16 is ~5x slower on CPUs without native bf16) or bfloat16."""
@@ -21,10 +21,70 @@ DTYPES = ("float32", "bfloat16")
 def _check_common(dtype: str, logprob_chunk_size: int, aligned_quantization: str | None) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if isinstance(logprob_chunk_size, bool) or not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1:
+    if (
+        isinstance(logprob_chunk_size, bool)
+        or not isinstance(logprob_chunk_size, int)
+        or logprob_chunk_size < 1
+    ):
         raise ValueError(f"logprob_chunk_size must be an int >= 1, got {logprob_chunk_size!r}")
     if aligned_quantization is not None:
         check_aligned_quantization(aligned_quantization)
+
+
+def _normalize_schedule(spec: Any) -> None:
+    """Check ``spec.aligned_schedule`` (plain lists afterwards) and set ``spec.aligned_quantization`` to its
+    first stage's recipe when unset (what the policy's forward starts with)."""
+    if spec.aligned_schedule is None:
+        return
+    stages = check_aligned_schedule(spec.aligned_schedule, spec.aligned_quantization)
+    spec.aligned_schedule = [list(stage) for stage in stages]
+    spec.aligned_quantization = stages[0][1]
+
+
+def check_aligned_schedule_engine(schedule: Any, engine_factory: Any) -> None:
+    """Refuse a progressive aligned schedule the rollout engine cannot follow (config time).
+
+    ``schedule``: a checked ``aligned_schedule`` (or None: nothing to check); ``engine_factory``: the run's
+    engine builder, a ``functools.partial`` of an engine class (``ais_lightning.build.Components.engine``);
+    anything else (a lambda) is not inspected. At every stage boundary the engine switches its precision in
+    place (``engine.set_precision``), so the engine class must have that method, be built at the first
+    stage's precision, and accept every stage's recipe on the ``emulate`` backend (``check_args``).
+    """
+    if schedule is None:
+        return
+    stages = check_aligned_schedule(schedule)
+    engine_cls = getattr(engine_factory, "func", None)
+    if not isinstance(engine_cls, type):
+        return
+    args = dict(getattr(engine_factory, "keywords", {}) or {})
+    name = engine_cls.__name__
+    if not callable(getattr(engine_cls, "set_precision", None)):
+        raise ValueError(
+            f"policy.aligned_schedule switches the rollout precision at every stage, but {name} cannot switch "
+            "its precision in place (no set_precision); use the torch engine (rollout=int8_nested, int4, ...)"
+        )
+    first = stages[0][1]
+    if args.get("precision") != first:
+        raise ValueError(
+            f"rollout.precision={args.get('precision')!r} must be the first stage's recipe {first!r} of "
+            "policy.aligned_schedule (the engine starts where the aligned forward starts)"
+        )
+    check = getattr(engine_cls, "check_args", None)
+    if check is None:
+        return
+    backend = check(**args).get("backend")
+    if backend not in (None, "emulate"):
+        raise ValueError(
+            f"policy.aligned_schedule needs rollout.backend=emulate (its stages switch recipes in place on the "
+            f"emulated backend), got rollout.backend={backend!r}"
+        )
+    for i, (_, recipe) in enumerate(stages):
+        try:
+            check(**{**args, "precision": recipe, "backend": "emulate"})
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"policy.aligned_schedule[{i}] {recipe!r} is no emulated precision of {name}: {err}"
+            ) from err
 
 
 @dataclass
@@ -37,11 +97,15 @@ class TinyQwen3:
     """Response positions per chunk when computing log-probs/entropy (bounds the [chunk, V] logits)."""
     aligned_quantization: str | None = None
     """QaRL: an ``ais_lightning.quant`` recipe the trainer's forward runs through (None = off)."""
+    aligned_schedule: list[list[Any]] | None = None
+    """Progressive precision of the aligned forward and the rollout engine together: ``[[0, int8_nested],
+    [N1, int4], [N2, int2]]`` (start rollout step, recipe); None = one recipe (``aligned_quantization``)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """``Qwen3Config`` overrides of the tiny model, e.g. ``{num_hidden_layers: 2}``."""
 
     def __post_init__(self) -> None:
         _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization)
+        _normalize_schedule(self)
         from ais_lightning.models import tiny_qwen3_config
 
         try:
@@ -54,7 +118,13 @@ class TinyQwen3:
         from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 
         model = build_tiny_qwen3(seed=seed, **dict(self.overrides)).to(getattr(torch, self.dtype))
-        return Policy(model, build_char_tokenizer(), self.logprob_chunk_size, self.aligned_quantization)
+        return Policy(
+            model,
+            build_char_tokenizer(),
+            self.logprob_chunk_size,
+            self.aligned_quantization,
+            aligned_schedule=self.aligned_schedule,
+        )
 
 
 @dataclass
@@ -69,11 +139,15 @@ class Pretrained:
     """Response positions per chunk when computing log-probs/entropy (bounds the [chunk, V] logits)."""
     aligned_quantization: str | None = None
     """QaRL: an ``ais_lightning.quant`` recipe the trainer's forward runs through (None = off)."""
+    aligned_schedule: list[list[Any]] | None = None
+    """Progressive precision of the aligned forward and the rollout engine together: ``[[0, int8_nested],
+    [N1, int4], [N2, int2]]`` (start rollout step, recipe); None = one recipe (``aligned_quantization``)."""
 
     def __post_init__(self) -> None:
         if not self.path or not os.path.isdir(self.path):
             raise ValueError(f"path must name a local model directory, got {self.path!r}")
         _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization)
+        _normalize_schedule(self)
 
     def build(self, seed: int = 0) -> Policy:
         """The policy (``seed`` is unused: the weights come from the directory)."""
@@ -88,6 +162,7 @@ class Pretrained:
             tokenizer=tokenizer,
             logprob_chunk_size=self.logprob_chunk_size,
             aligned_quantization=self.aligned_quantization,
+            aligned_schedule=self.aligned_schedule,
         )
 
 

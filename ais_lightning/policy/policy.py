@@ -504,6 +504,13 @@ class Policy(nn.Module):
             chunk_size=self.logprob_chunk_size,
         )
 
+    def build_engine(self, precision: str = "fp32", **engine_kwargs: Any) -> Any:
+        """A :class:`ais_lightning.rollout.TorchRolloutEngine` on the current weights (``engine_kwargs``: its
+        other constructor arguments), e.g. for greedy evaluation; every model family implements it."""
+        from ais_lightning.rollout import TorchRolloutEngine
+
+        return TorchRolloutEngine(self.model, precision=precision, **engine_kwargs)
+
     def sft_loss(
         self,
         prompt_ids: torch.Tensor,

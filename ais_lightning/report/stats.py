@@ -33,8 +33,15 @@ from dataclasses import dataclass, field
 
 from ais_lightning.report.records import MetricNames, RunRecord
 
-DEFAULT_GROUP_BY = ("rollout.precision", "corrector.name")
-"""Group keys used when present in the runs' params (else: every param that varies, except ``seed``)."""
+DEFAULT_GROUP_BY = ("rollout", "corrector")
+"""Group keys used when present in the runs' params: the rollout and corrector options picked, as
+``ais-train`` logs them (``rollout=fp4``, ``corrector=ais``). Else LEGACY_GROUP_BY, else every param
+that varies, except ``seed``."""
+VARYING_GROUP_BY = ("algorithm",)
+"""Options grouped by (before the DEFAULT_GROUP_BY keys) only when they differ across the runs, e.g.
+``algorithm=solrl`` runs in a sweep of ``algorithm=grpo`` ones."""
+LEGACY_GROUP_BY = ("rollout.precision", "corrector.name")
+"""The group keys of stores written before the option choices were logged."""
 
 SEED_PARAM = "seed"
 PER_RUN_PARAMS = (SEED_PARAM, "output_dir", "ckpt_path", "logger.run_name")
@@ -98,8 +105,19 @@ def resolve_group_by(runs: list[RunRecord], group_by: list[str] | None = None) -
     param except ``seed``."""
     if group_by:
         return list(group_by)
-    present = [k for k in DEFAULT_GROUP_BY if any(k in r.params for r in runs)]
-    return present or varying_params(runs, exclude=PER_RUN_PARAMS)
+    for keys in (DEFAULT_GROUP_BY, LEGACY_GROUP_BY):
+        present = [k for k in keys if any(k in r.params for r in runs)]
+        if present:
+            return [k for k in VARYING_GROUP_BY if k in varying_params(runs)] + present
+    return varying_params(runs, exclude=PER_RUN_PARAMS)
+
+
+def reference_keys(group_by: list[str]) -> tuple[str, str]:
+    """The (precision, corrector) keys of the gap-recovered column among ``group_by``: the option names
+    (``rollout``, ``corrector``) when grouped by them, else the legacy params."""
+    precision = DEFAULT_GROUP_BY[0] if DEFAULT_GROUP_BY[0] in group_by else LEGACY_GROUP_BY[0]
+    corrector = DEFAULT_GROUP_BY[1] if DEFAULT_GROUP_BY[1] in group_by else LEGACY_GROUP_BY[1]
+    return precision, corrector
 
 
 def varying_params(runs: list[RunRecord], exclude: tuple[str, ...] = ()) -> list[str]:
@@ -173,8 +191,8 @@ def aggregate(
     runs: list[RunRecord],
     group_by: list[str],
     metric_names: MetricNames | None = None,
-    precision_key: str = "rollout.precision",
-    corrector_key: str = "corrector.name",
+    precision_key: str | None = None,
+    corrector_key: str | None = None,
     baseline_precision: str = "fp32",
     no_correction: str = "none",
     extra_keys: tuple[str, ...] | list[str] = (),
@@ -183,9 +201,12 @@ def aggregate(
     (an empty ``group_by`` gives a single row). ``row.histories`` holds the PLOTTED metrics under
     their MetricNames field and every ``extra_keys`` metric under its own key.
 
-    The gap-recovered value is filled when both ``precision_key`` and ``corrector_key`` are group
-    keys (see the module docstring).
+    The gap-recovered value is filled when both ``precision_key`` and ``corrector_key`` (default:
+    :func:`reference_keys`) are group keys (see the module docstring).
     """
+    default_precision, default_corrector = reference_keys(group_by)
+    precision_key = precision_key or default_precision
+    corrector_key = corrector_key or default_corrector
     if not runs:
         raise ValueError("runs is empty: nothing to aggregate")
     names = metric_names or MetricNames()

@@ -11,11 +11,11 @@ from ais_lightning.report.load import load_runs, split_finished
 from ais_lightning.report.records import MetricNames, ReportError, RunRecord
 from ais_lightning.report.render import _slug, plot_metric, report_dict, write_markdown
 from ais_lightning.report.stats import (
-    DEFAULT_GROUP_BY,
     PER_RUN_PARAMS,
     PLOTTED,
     Row,
     aggregate,
+    reference_keys,
     resolve_group_by,
     varying_params,
 )
@@ -47,23 +47,27 @@ def build_report(
     metric_names: MetricNames | None = None,
     extra_plots: list[str] | None = None,
     *,
-    precision_key: str = DEFAULT_GROUP_BY[0],
-    corrector_key: str = DEFAULT_GROUP_BY[1],
+    precision_key: str | None = None,
+    corrector_key: str | None = None,
     baseline_precision: str = "fp32",
     no_correction: str = "none",
 ) -> Report:
     """Load, aggregate and write ``report.md``, ``report.json`` and ``<metric>.png`` into ``out_dir``.
 
     ``extra_plots``: further metric keys (e.g. ``ais/severity``) plotted vs step like the
-    PLOTTED ones, one PNG each named after the key. ``precision_key`` / ``corrector_key``: the
-    params whose values ``baseline_precision`` / ``no_correction`` mark the reference rows of the
+    PLOTTED ones, one PNG each named after the key. ``precision_key`` / ``corrector_key`` (default:
+    ``rollout`` / ``corrector``, or the legacy params for older stores): the params whose values ``baseline_precision`` / ``no_correction`` mark the reference rows of the
     gap-recovered column (see :mod:`ais_lightning.report.stats`); any other params group as well.
     """
     names = metric_names or MetricNames()
-    extra = list(dict.fromkeys(extra_plots or []))
+    plotted_keys = {getattr(names, fname) for fname, _, _ in PLOTTED}
+    extra = [k for k in dict.fromkeys(extra_plots or []) if k not in plotted_keys]  # each plot once
     runs = load_runs(tracking_uri, experiment, names, extra_keys=extra)
     finished, excluded = split_finished(runs, experiment)
     keys = resolve_group_by(finished, group_by)
+    default_precision, default_corrector = reference_keys(keys)
+    precision_key = precision_key or default_precision
+    corrector_key = corrector_key or default_corrector
     missing = [k for k in keys if not any(k in r.params for r in finished)]
     if missing:
         raise ReportError(f"group-by param(s) {missing} not logged by any finished run of {experiment!r}")

@@ -1,4 +1,4 @@
-"""The RolloutEngine contract (design.md section 3).
+"""The RolloutEngine contract (docs/design.md section 3).
 
 An engine wraps a Hugging Face causal LM, generates responses to token-id prompts with
 sampling, and returns the log-prob of each sampled token under its *own* (possibly

@@ -164,6 +164,23 @@ def safe_rewards(
 # ----------------------------------------------------------------------------------------- text helpers
 
 
+def batch_rewards(
+    task: Task, samples: Sequence[TaskSample], batch: Any, tokenizer: Any
+) -> tuple[list[float], int]:
+    """Rewards of every row of a ``RolloutBatch`` through :func:`safe_rewards`: ``(rewards, n_failed)``.
+
+    Row ``i`` answers ``samples[batch.prompt_index[i]]``; its completion is the decoded valid response
+    tokens (``response_ids[response_mask]``, special tokens skipped); the samples' fields go along.
+    """
+    completions = [
+        tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
+        for ids, mask in zip(batch.response_ids, batch.response_mask)
+    ]
+    rows = batch.prompt_index.tolist()
+    fields = {k: [samples[i].fields[k] for i in rows] for k in samples[0].fields}
+    return safe_rewards(task.reward, [samples[i].prompt for i in rows], completions, fields)
+
+
 def first_line(completion: str) -> str:
     """The completion up to its first newline, stripped of surrounding whitespace."""
     return completion.split("\n", 1)[0].strip()

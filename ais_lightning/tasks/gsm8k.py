@@ -63,6 +63,46 @@ def gold_answer(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip()
 
 
+def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a json-lines file (or one JSON array in a ``.json`` file), each a JSON object.
+
+    ValueError naming the file (and the line for json lines) on invalid JSON, a row that is not an
+    object, text that is not UTF-8, or a file with no rows.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"gsm8k file {path} is not UTF-8 text ({err})") from None
+    if not text.strip():
+        raise ValueError(f"gsm8k file {path} is empty (expected json lines with 'question' and 'answer')")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"gsm8k file {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+            ) from None
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"gsm8k file {path}: element {i} is not a JSON object: {str(row)[:80]!r}")
+        return rows
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"gsm8k file {path} line {lineno} is not valid JSON ({err.msg} at column {err.colno}): "
+                f"{line[:80]!r}"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"gsm8k file {path} line {lineno} is not a JSON object: {line[:80]!r}")
+        rows.append(row)
+    return rows
+
+
 def load_rows(
     path: str | Path, use_datasets: bool | None = None, cache_dir: str | None = None
 ) -> list[dict[str, Any]]:
@@ -72,27 +112,36 @@ def load_rows(
     True, or None and ``datasets`` is installed; otherwise json lines are read directly (parquet then
     needs ``pyarrow``). A local path only: nothing is downloaded. ``cache_dir`` is passed to
     ``load_dataset`` (None: the ``datasets`` default cache).
+
+    Json files are always parsed here first, so an empty file or a line that is not valid JSON is a
+    ValueError naming the file (and the line number), whichever backend reads the rows; a failure
+    inside ``datasets``/``pyarrow`` is re-raised as a ValueError naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"gsm8k path {str(path)!r} is not a local file")
     kind = "parquet" if path.suffix == ".parquet" else "json"
+    if kind == "parquet" and path.stat().st_size == 0:
+        raise ValueError(
+            f"gsm8k file {path} is empty (expected a parquet table with 'question' and 'answer')"
+        )
+    rows = _read_json_rows(path) if kind == "json" else None
     if use_datasets is None:
         use_datasets = importlib.util.find_spec("datasets") is not None
-    if use_datasets:
-        import datasets
+    try:
+        if use_datasets:
+            import datasets
 
-        return list(datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=cache_dir))
-    if kind == "parquet":
+            return list(datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=cache_dir))
+        if rows is not None:
+            return rows
         if importlib.util.find_spec("pyarrow") is None:
             raise ValueError("reading parquet needs `datasets` or `pyarrow`; convert the file to jsonl")
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except Exception as err:  # datasets / pyarrow errors (ArrowInvalid, DatasetGenerationError, ...)
+        raise ValueError(f"gsm8k file {path} could not be read: {type(err).__name__}: {err}") from err
 
 
 @register_task("gsm8k")

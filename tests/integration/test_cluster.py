@@ -19,7 +19,14 @@ CONF = Path(ais_lightning.__file__).parent / "conf"
 register_configs()
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-MULTI_NODE = ["trainer=fsdp2", "trainer.accelerator=gpu", "trainer.devices=8", "trainer.num_nodes=2"]
+# a GPU trainer with a GPU rollout (the default rollout=int8 is a CPU kernel: refused beside a GPU trainer)
+MULTI_NODE = [
+    "trainer=fsdp2",
+    "trainer.accelerator=gpu",
+    "trainer.devices=8",
+    "trainer.num_nodes=2",
+    "rollout=bf16",
+]
 
 
 def _compose(*overrides: str):

@@ -133,6 +133,13 @@ def test_a_policy_and_an_engine_of_different_model_families_are_refused():
         validate(make("policy=tiny_llada", "rollout=llada_fp4", "policy.response_length=5"))
 
 
+def test_the_diffusion_preset_warm_starts_on_its_canvas_length():
+    c = validate(make("experiment=llada_small"))
+    assert type(c.policy).__name__ == "TinyLLaDA" and c.warmstart.max_new_tokens == c.policy.response_length
+    with pytest.raises(ValueError, match="warmstart.max_new_tokens=5 must equal policy.response_length=8"):
+        validate(make("experiment=llada_small", "warmstart.max_new_tokens=5"))
+
+
 def test_qarl_sets_the_aligned_forward_and_needs_a_quantized_rollout():
     cfg = make("corrector=qarl", "rollout=fp8")
     assert cfg.policy.aligned_quantization == "fp8"

@@ -56,7 +56,7 @@ def test_smoke_sweep_in_parallel_into_a_server_and_its_report(tmp_path: Path):
     assert not (sweep / "mlflow.db").exists(), "every job logged to the server, none to a local store"
     report = json.loads((out / "report.json").read_text())
     assert report["excluded_runs"] == [], "all four jobs FINISHED"
-    configs = {(r["group"]["rollout.precision"], r["group"]["corrector.name"]) for r in report["rows"]}
+    configs = {(r["group"]["rollout"], r["group"]["corrector"]) for r in report["rows"]}
     assert configs == {("fp32", "none"), ("fp32", "ais"), ("int8", "none"), ("int8", "ais")}
     for row in report["rows"]:
         assert row["histories"]["mismatch/ais_lambda"]["step"], "lambda diagnostic logged by every run"

@@ -39,7 +39,13 @@ def test_a_user_corrector_registered_by_one_yaml_trains_end_to_end(tmp_path: Pat
     conf = _user_conf(tmp_path, "scale: 0.25\n")
     out = tmp_path / "run"
     run_train(
-        [*SMOKE, f"hydra.searchpath=[file://{conf}]", "corrector=scaled", "logger=csv", f"hydra.run.dir={out}"],
+        [
+            *SMOKE,
+            f"hydra.searchpath=[file://{conf}]",
+            "corrector=scaled",
+            "logger=csv",
+            f"hydra.run.dir={out}",
+        ],
         cwd=tmp_path,
         env={"PYTHONPATH": str(REPO)},
     )
@@ -55,7 +61,12 @@ def test_a_typo_in_a_user_yaml_fails_before_anything_heavy_naming_the_key(tmp_pa
     conf = _user_conf(tmp_path, "scael: 0.25\n")
     with pytest.raises(AssertionError, match=r"corrector\.scael is not an argument"):
         run_train(
-            [*SMOKE, f"hydra.searchpath=[file://{conf}]", "corrector=scaled", f"hydra.run.dir={tmp_path / 'r'}"],
+            [
+                *SMOKE,
+                f"hydra.searchpath=[file://{conf}]",
+                "corrector=scaled",
+                f"hydra.run.dir={tmp_path / 'r'}",
+            ],
             cwd=tmp_path,
             env={"PYTHONPATH": str(REPO)},
         )

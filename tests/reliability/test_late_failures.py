@@ -44,11 +44,13 @@ def test_a_resume_whose_mlflow_server_is_gone_fails_within_seconds(tmp_path: Pat
     one checked: a server that is gone fails the resume at once (not after minutes of retries)."""
     import torch
 
+    from ais_lightning.files import write_hash
     from ais_lightning.tracking import MLFLOW_CHECKPOINT_KEY
 
     uri = f"http://127.0.0.1:{free_port()}"
     ckpt = tmp_path / "from_a_server_run.ckpt"  # only what ais-train reads before anything heavy
     torch.save({MLFLOW_CHECKPOINT_KEY: {"run_id": "0" * 32, "tracking_uri": uri}, "global_step": 1}, ckpt)
+    write_hash(ckpt)  # as every checkpoint ais-train writes
     run = train(
         [*SMOKE, "logger=mlflow", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}"],
         tmp_path,

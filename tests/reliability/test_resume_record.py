@@ -56,3 +56,24 @@ def test_log_missing_metrics_logs_only_what_the_mlflow_run_lacks_at_that_step(tm
         log_missing_metrics(logger, None) == []
         and log_missing_metrics(False, {"step": 0, "metrics": {}}) == []
     )
+
+
+def test_last_is_the_newest_checkpoint_whose_hash_was_written(tmp_path: Path):
+    """A kill between a checkpoint and its sidecar leaves the newest file incomplete: ``last`` skips it."""
+    import os
+
+    from ais_lightning.files import write_hash
+    from ais_lightning.train import resolve_checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    older, newest = ckpts / "step000001.ckpt", ckpts / "step000002.ckpt"
+    for i, path in enumerate((older, newest)):
+        path.write_bytes(b"checkpoint")
+        os.utime(path, ns=(10**9 * (i + 1), 10**9 * (i + 1)))
+    with pytest.raises(ValueError, match=r"no checkpoint .* has its \.sha256 sidecar"):
+        resolve_checkpoint("last", str(tmp_path))
+    write_hash(older)
+    assert resolve_checkpoint("last", str(tmp_path)) == str(older)  # the newest has no hash yet
+    write_hash(newest)
+    assert resolve_checkpoint("last", str(tmp_path)) == str(newest)

@@ -390,7 +390,7 @@ def hf_logprobs(model, batch, temperature):
 
 
 def mismatch(train_lp, rollout_lp, mask):
-    """(k3 KL(mu || pi), max |log pi - log mu|) over valid tokens (design.md section 3)."""
+    """(k3 KL(mu || pi), max |log pi - log mu|) over valid tokens (docs/design.md section 3)."""
     delta = (train_lp - rollout_lp)[mask]
     return float((delta.exp() - 1 - delta).mean()), float(delta.abs().max())
 

@@ -91,3 +91,66 @@ def test_bad_inputs(tmp_path):
     bad.write_text('{"question": "q"}\n')
     with pytest.raises(ValueError, match="answer"):
         get_task("gsm8k", path=str(bad), use_datasets=False)
+
+
+BACKENDS = [pytest.param(False, id="json"), pytest.param(True, id="datasets")]
+
+
+def _backend(use_datasets):
+    if use_datasets:
+        pytest.importorskip("datasets")
+    return use_datasets
+
+
+@pytest.mark.parametrize("use_datasets", BACKENDS)
+def test_invalid_json_line_names_file_and_line(tmp_path, use_datasets):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"question": "q", "answer": "#### 1"})
+    path.write_text(f'{good}\n\n{good}\n{{"question": "q", "answer" "#### 2"}}\n{good}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 4 is not valid JSON") as info:
+        get_task("gsm8k", path=str(path), use_datasets=_backend(use_datasets), cache_dir=str(tmp_path / "c"))
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("use_datasets", BACKENDS)
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank"])
+def test_empty_file_names_the_file(tmp_path, use_datasets, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"is empty") as info:
+        get_task("gsm8k", path=str(path), use_datasets=_backend(use_datasets), cache_dir=str(tmp_path / "c"))
+    assert str(path) in str(info.value)
+
+
+def test_json_array_file_and_its_errors(tmp_path):
+    rows = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    assert len(get_task("gsm8k", path=str(path), use_datasets=False).rows) == len(rows)
+    path.write_text(json.dumps(rows, indent=1)[:-3], encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows\.json is not valid JSON: .* at line \d+ column \d+"):
+        get_task("gsm8k", path=str(path), use_datasets=False)
+    path.write_text(json.dumps([rows[0], 3]), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"element 1 is not a JSON object"):
+        get_task("gsm8k", path=str(path), use_datasets=False)
+
+
+def test_non_object_line_and_non_utf8_file(tmp_path):
+    path = tmp_path / "list.jsonl"
+    path.write_text("[1, 2]\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"list\.jsonl line 1 is not a JSON object"):
+        get_task("gsm8k", path=str(path), use_datasets=False)
+    path.write_bytes(b'{"question": "\xff", "answer": "#### 1"}\n')
+    with pytest.raises(ValueError, match=r"list\.jsonl is not UTF-8"):
+        get_task("gsm8k", path=str(path), use_datasets=False)
+
+
+def test_broken_parquet_names_the_file(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"bad\.parquet is empty"):
+        get_task("gsm8k", path=str(path), use_datasets=False)
+    path.write_bytes(b"not a parquet file at all")
+    with pytest.raises(ValueError, match=r"gsm8k file .*bad\.parquet could not be read"):
+        get_task("gsm8k", path=str(path), use_datasets=False)

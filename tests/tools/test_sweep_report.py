@@ -24,6 +24,7 @@ from ais_lightning.report import (
     gap_recovered,
     markdown_table,
     mean_history,
+    reference_keys,
     resolve_group_by,
     split_finished,
 )
@@ -254,7 +255,9 @@ def test_extra_plots_of_any_logged_metric(sweep, tmp_path, capsys):
     cli = _load_cli()
     out = tmp_path / "extra"
     args = ["--tracking-uri", sweep["uri"], "--experiment", "sweep", "--out", str(out)]
-    assert cli.main(args + ["--plot", "val/accuracy_trainer", "--plot", "no/such_metric"]) == 0
+    plots = ["--plot", "val/accuracy_trainer", "--plot", "no/such_metric", "--plot", "ais/lambda"]
+    assert cli.main(args + plots) == 0
+    assert (out / "report.md").read_text().count("(ais_lambda.png)") == 1  # a PLOTTED metric is plotted once
     assert (out / "val_accuracy_trainer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "no_such_metric.png").exists()
     data = json.loads((out / "report.json").read_text())
@@ -420,6 +423,31 @@ def test_group_by_resolution_and_status_split():
     assert [r.run_id for r in finished] == ["a", "b"] and [r.run_id for r in others] == ["c"]
     with pytest.raises(ReportError, match="'e' has no FINISHED runs"):
         split_finished(others, "e")
+
+
+def test_runs_group_by_the_options_picked_and_by_the_algorithm_when_it_varies():
+    def option_run(rid, algorithm, rollout, corrector, acc):
+        params = {"algorithm": algorithm, "rollout": rollout, "corrector": corrector, "seed": "0"}
+        return _record(rid, params, {"val/accuracy_engine": [(0, acc)]})
+
+    grpo = [
+        option_run("1", "grpo", "fp32", "none", 0.8),
+        option_run("2", "grpo", "fp4", "none", 0.4),
+        option_run("3", "grpo", "fp4", "ais", 0.7),
+    ]
+    assert resolve_group_by(grpo) == ["rollout", "corrector"]  # one algorithm: no column for it
+    assert reference_keys(["rollout", "corrector"]) == ("rollout", "corrector")
+    rows = aggregate(grpo, resolve_group_by(grpo))
+    assert {tuple(r.group.values()): r.gap_recovered for r in rows}[("fp4", "ais")] == pytest.approx(0.75)
+    # a Sol-RL run with corrector=none is its own row, not averaged into GRPO's int8/none
+    mixed = [*grpo, option_run("4", "solrl", "fp4", "none", 0.6)]
+    assert resolve_group_by(mixed) == ["algorithm", "rollout", "corrector"]
+    rows = aggregate(mixed, resolve_group_by(mixed))
+    assert len(rows) == 4
+    gaps = {tuple(r.group.values()): r.gap_recovered for r in rows}
+    assert gaps[("grpo", "fp4", "ais")] == pytest.approx(0.75) and gaps[("solrl", "fp4", "none")] is None
+    # stores written before the options were logged group by the legacy params
+    assert reference_keys(["rollout.precision", "corrector.name"]) == ("rollout.precision", "corrector.name")
 
 
 def test_metric_names_overrides_and_cli_metric_map_parsing():

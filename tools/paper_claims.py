@@ -77,7 +77,9 @@ def _fmt(x: float, spec: str = "+.3f") -> str:
 
 def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_gain") -> str:
     precision, corrector = reference_keys(list(report["rows"][0]["group"]) if report["rows"] else [])
-    rows = {(r["group"].get(precision), r["group"].get(corrector)): r for r in report["rows"]}
+    # the paper's claims are about GRPO with a corrector: other algorithms (Sol-RL) in the store are left out
+    grpo = [r for r in report["rows"] if r["group"].get("algorithm", "grpo") == "grpo"]
+    rows = {(r["group"].get(precision), r["group"].get(corrector)): r for r in grpo}
     base = rows.get(("fp32", "none"))
     if base is None:
         raise ValueError("report has no fp32 / none row (the full-precision baseline)")

@@ -80,6 +80,31 @@ def test_gap_within_noise_is_marked(tmp_path, capsys):
     assert "| fp8 (gap +0.030 ± 0.020 (within 2 SE)) |" in capsys.readouterr().out
 
 
+def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
+    """Reports grouped by the options picked (``rollout``, ``corrector``) and holding a Sol-RL row with
+    the same rollout and corrector as a GRPO row: the claims read the GRPO one."""
+    tool = _load()
+
+    def keyed(row, algorithm="grpo"):
+        group = row["group"]
+        return {
+            **row,
+            "group": {
+                "algorithm": algorithm,
+                "rollout": group["rollout.precision"],
+                "corrector": group["corrector.name"],
+            },
+        }
+
+    rows = [keyed(r) for r in REPORT["rows"]]
+    rows.append(keyed(_row("fp8", "none", 0.90, 0.02, 9000), algorithm="solrl"))  # would change every claim
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert tool.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "| fp8 (gap +0.100 ± 0.020) | 0.90 | 0.60 | 0.40 |" in text and "| fp8 | 525 | 0.53x |" in text
+
+
 def test_missing_baseline_is_a_clear_error(tmp_path, capsys):
     tool = _load()
     path = tmp_path / "report.json"

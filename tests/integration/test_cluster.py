@@ -60,6 +60,10 @@ def test_multi_node_fsdp2_takes_its_ranks_from_slurm(monkeypatch):
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # Lightning's SLURMEnvironment writes MASTER_ADDR (and others) into os.environ itself: registering them
+    # with monkeypatch makes the teardown remove them, so later tests' processes do not rendezvous at node1.
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
     s = validate(_compose("trainer=fsdp2", "trainer.devices=2", "trainer.num_nodes=2")).trainer
     trainer = L.Trainer(
         accelerator=s.accelerator,

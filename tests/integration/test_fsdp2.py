@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(mode: str, out: Path) -> None:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous and not k.startswith("SLURM_")}
+    env.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)})  # a local 2-process run
     proc = subprocess.run(
         [sys.executable, str(WORKER), mode, str(out)], env=env, capture_output=True, text=True, timeout=600
     )

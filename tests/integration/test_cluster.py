@@ -64,6 +64,11 @@ def test_multi_node_fsdp2_takes_its_ranks_from_slurm(monkeypatch):
     # with monkeypatch makes the teardown remove them, so later tests' processes do not rendezvous at node1.
     for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
+    # The strategy also sets the process-wide rank_zero_only.rank to this task's rank (3): restored after the
+    # test, else every later logger in this process acts as a non-zero rank (a DummyExperiment).
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
     s = validate(_compose("trainer=fsdp2", "trainer.devices=2", "trainer.num_nodes=2")).trainer
     trainer = L.Trainer(
         accelerator=s.accelerator,

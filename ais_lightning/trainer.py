@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ais_lightning.checks import check_int
+
 STRATEGIES = ("auto", "fsdp2", "fsdp")
 """``auto`` (one process), ``fsdp2`` (ModelParallelStrategy, FSDP2 ``fully_shard``; runs on CPU over gloo
 and on GPUs over NCCL: ``trainer=fsdp2`` and ``trainer=fsdp_gpu``), ``fsdp`` (Lightning's FSDPStrategy,
@@ -38,9 +40,7 @@ class TrainerSettings:
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_steps", 1), ("num_nodes", 1), ("checkpoint_every_n_steps", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+            check_int(getattr(self, name), name, minimum)
         if self.num_threads is not None and (
             isinstance(self.num_threads, bool)
             or not isinstance(self.num_threads, int)

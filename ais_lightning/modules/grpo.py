@@ -31,6 +31,7 @@ from lightning import LightningModule
 from torch import nn
 
 from ais_lightning import ops
+from ais_lightning.checks import check_int
 from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, TokenEntropy
 from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
 from ais_lightning.policy import Policy
@@ -39,11 +40,6 @@ from ais_lightning.tasks import Task, safe_rewards
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 """Builds an engine from an unsharded copy of the policy's model."""
-
-
-def _positive_int(value: Any, name: str, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -87,11 +83,11 @@ class GRPOSettings:
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "val_every_n_steps"):
-            _positive_int(getattr(self, name), name)
-        _positive_int(self.val_size, "val_size")
-        _positive_int(self.max_bad_steps, "max_bad_steps")
-        _positive_int(self.group_size, "group_size", minimum=2)
-        _positive_int(self.top_k, "top_k", minimum=0)
+            check_int(getattr(self, name), name)
+        check_int(self.val_size, "val_size")
+        check_int(self.max_bad_steps, "max_bad_steps")
+        check_int(self.group_size, "group_size", minimum=2)
+        check_int(self.top_k, "top_k", minimum=0)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"temperature must be a finite number > 0 for RL (log-probs at T=0 are undefined), "

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ais_lightning.checks import check_int
 from ais_lightning.modules.grpo import Experience, GRPOModule, GRPOSettings
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
 from ais_lightning.rollout.coupled import regenerate, supports_coupled_noise, token_agreement
@@ -32,11 +33,6 @@ from ais_lightning.rollout.sampling import uniform_table
 from ais_lightning.rollout.screening import SELECTION_RULES, select_candidates
 
 __all__ = ["SolRLModule", "SolRLSettings"]
-
-
-def _int_at_least(value: Any, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -63,7 +59,7 @@ class SolRLSettings(GRPOSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _int_at_least(self.screen_group_size, "screen_group_size", 2)
+        check_int(self.screen_group_size, "screen_group_size", 2)
         if self.screen_group_size < self.group_size:
             raise ValueError(
                 f"screen_group_size must be >= group_size={self.group_size} (the kept candidates come from "
@@ -71,7 +67,7 @@ class SolRLSettings(GRPOSettings):
             )
         if self.selection not in SELECTION_RULES:
             raise ValueError(f"selection must be one of {list(SELECTION_RULES)}, got {self.selection!r}")
-        _int_at_least(self.train_prompts, "train_prompts", 0)
+        check_int(self.train_prompts, "train_prompts", 0)
         if self.train_prompts > self.prompts_per_step:
             raise ValueError(
                 f"train_prompts must be <= prompts_per_step={self.prompts_per_step} (0 = every informative "

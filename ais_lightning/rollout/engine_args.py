@@ -140,6 +140,18 @@ def require_version(engine: str, distributions: Iterable[str], minimum: tuple[in
             return
 
 
+def check_cuda_device_type(device: Any, engine: str, arg: str = "device") -> None:
+    """Config-time check (no GPU needed): ``device`` is None or names a CUDA device; else ValueError naming ``arg``."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind != "cuda":
+        raise ValueError(f"{arg} must be None or a CUDA device for {engine}, got {device!r}")
+
+
 def cuda_device(device: Any, engine: str, arg: str = "device") -> torch.device:
     """``device`` (None, ``"cuda"``, ``"cuda:1"``, a torch.device) as an indexed CUDA device.
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ais_lightning.checks import check_int
+
 __all__ = ["SELECTION_RULES", "Selection", "keep_candidates", "select_candidates"]
 
 SELECTION_RULES = ("contrastive", "max_variance", "random")
@@ -45,11 +47,6 @@ def _check_rewards(rewards: torch.Tensor) -> None:
         )
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards has non-finite values")
-
-
-def _check_int(value: object, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _subset_variance(sorted_rewards: torch.Tensor, keep: int, top: torch.Tensor) -> torch.Tensor:
@@ -79,7 +76,7 @@ def keep_candidates(
     """
     _check_rewards(rewards)
     n_prompts, k_all = rewards.shape
-    _check_int(keep, "keep", 1)
+    check_int(keep, "keep", 1)
     if keep > k_all:
         raise ValueError(f"keep must be <= the {k_all} candidates per prompt, got {keep}")
     if rule not in SELECTION_RULES:
@@ -137,7 +134,7 @@ def select_candidates(
     informative prompt, and the best-ranked one when none is.
     """
     _check_rewards(rewards)
-    _check_int(max_prompts, "max_prompts", 0)
+    check_int(max_prompts, "max_prompts", 0)
     if not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and tol >= 0):
         raise ValueError(f"tol must be a number >= 0, got {tol!r}")
     candidates = keep_candidates(rewards, keep, rule, generator)  # [P, keep]

@@ -45,6 +45,7 @@ from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_capability,
     check_choice,
+    check_cuda_device_type,
     cuda_device,
     require_package,
     require_version,
@@ -240,13 +241,7 @@ class TERolloutEngine(TorchRolloutEngine):
             )
         args["params_dtype"] = dtype
         device = args["device"]
-        if device is not None:
-            try:
-                kind = torch.device(device).type
-            except (RuntimeError, TypeError):
-                kind = None
-            if kind != "cuda":
-                raise ValueError(f"device must be None or a CUDA device for {name}, got {device!r}")
+        check_cuda_device_type(device, name)
         sampler = TorchRolloutEngine.check_args(
             precision="fp8",
             kv_cache_dtype=args["kv_cache_dtype"],

@@ -61,6 +61,7 @@ from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_capability,
     check_choice,
+    check_cuda_device_type,
     check_pad_token_id,
     cuda_device,
     require_package,
@@ -496,13 +497,7 @@ class VLLMRolloutEngine:
                     f"(reserved: {list(RESERVED_LLM_KWARGS)})"
                 )
         device = args["device"]
-        if device is not None:
-            try:
-                kind = torch.device(device).type
-            except (RuntimeError, TypeError):
-                kind = None
-            if kind != "cuda":
-                raise ValueError(f"device must be None or a CUDA device for {name}, got {device!r}")
+        check_cuda_device_type(device, name)
         if not torch.cuda.is_available():
             if args["kv_cache_dtype"] == "fp8":
                 raise ValueError(

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -98,12 +97,7 @@ def _fit(
     return record
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_stages_switch_trainer_and_engine_together_and_a_resume_lands_in_its_stage(tmp_path):

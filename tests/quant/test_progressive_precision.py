@@ -22,12 +22,7 @@ SAMPLING = SamplingConfig(n=2, max_new_tokens=6, seed=3)
 SCHEDULE = [[0, "int8_nested"], [2, "int4"], [5, "int2"]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,7 @@ from ais_lightning.rollout.torch_model import act_in_place, linear_residual, rop
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [40], [20, 21, 22, 23]]  # different lengths
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one intra-op thread avoids barrier stalls when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,14 @@ prints a markdown section, one claim per heading, each with the measured numbers
 1. uncorrected low precision loses part of the fp32 gain (val acc gain, none vs fp32);
 2. correctors recover the gap: (gain - gain_none) / (gain_fp32 - gain_none) per corrector;
 3. AIS vs the best of TIS / MIS at the same precision;
-4. "exploration early, bias later": mismatch KL, entropy and the AIS lambda (``--lambda-key``)
-   over the first vs the last quarter of training, and the correlation of lambda with entropy;
-5. rollout throughput of each precision relative to fp32 inside training.
+4. mismatch KL, entropy and the AIS lambda (``--lambda-key``) over the first vs the last quarter
+   of training, and the correlation of lambda with entropy;
+5. rollout throughput of each precision relative to fp32 inside training;
+6. "exploration early, bias later": each row's greedy val accuracy minus the uncorrected run's at
+   the same precision, early (the validation nearest to a quarter of training) and late (the end).
+
+The full-precision baseline is the report's ``baseline`` (``sweep_report.py --baseline``, default
+fp32; ``llada_fp32`` for the diffusion family).
 
 Differences come with a standard error sqrt(s1^2/n1 + s2^2/n2) over seeds. Usage:
 
@@ -75,22 +80,37 @@ def _fmt(x: float, spec: str = "+.3f") -> str:
     return "n/a" if not math.isfinite(x) else format(x, spec)
 
 
+def history_at(history: dict, step: float) -> tuple[float, float, int]:
+    """(mean, std, n) of the history's first point at or after ``step`` (nan, nan, 0 if none)."""
+    for i, s in enumerate(history.get("step", [])):
+        if s >= step:
+            mean = history["mean"][i]
+            std = (history.get("std") or [None] * (i + 1))[i]
+            n = (history.get("n") or [0] * (i + 1))[i]
+            return (
+                float("nan") if mean is None else mean,
+                float("nan") if std is None else std,
+                n or 0,
+            )
+    return float("nan"), float("nan"), 0
+
+
 def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_gain") -> str:
     precision, corrector = reference_keys(list(report["rows"][0]["group"]) if report["rows"] else [])
+    baseline = (report.get("baseline") or {}).get("precision", "fp32")
     # the paper's claims are about GRPO with a corrector: other algorithms (Sol-RL) in the store are left out
     grpo = [r for r in report["rows"] if r["group"].get("algorithm", "grpo") == "grpo"]
     rows = {(r["group"].get(precision), r["group"].get(corrector)): r for r in grpo}
-    base = rows.get(("fp32", "none"))
+    base = rows.get((baseline, "none"))
     if base is None:
-        raise ValueError("report has no fp32 / none row (the full-precision baseline)")
-    precisions = sorted({p for p, _ in rows if p != "fp32"})
-    correctors = sorted({c for _, c in rows if c != "none"})
+        raise ValueError(f"report has no {baseline} / none row (the full-precision baseline)")
+    precisions = sorted({p for p, _ in rows if p != baseline})
     label = {"val_accuracy_gain": "val acc gain", "final_val_accuracy": "final val acc"}.get(metric, metric)
     out = [f"Metric: {label} (mean ± std over seeds; differences ± standard error).", ""]
 
-    out += ["### 1. Uncorrected low precision vs fp32", ""]
+    out += [f"### 1. Uncorrected low precision vs {baseline}", ""]
     out += [
-        f"| precision | {label} (none) | fp32 | none - fp32 | lost share of the fp32 gain |",
+        f"| precision | {label} (none) | {baseline} | none - {baseline} | lost share of the {baseline} gain |",
         "|---|---|---|---|---|",
     ]
     fp32 = _stat(base, metric)
@@ -105,21 +125,28 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
             f"| {_fmt(d)} ± {_fmt(se, '.3f')} | {_fmt(lost, '.0%')} |"
         )
 
-    out += ["", "### 2. Gap recovered by each corrector: (x - none) / (fp32 - none)", ""]
-    out += ["A gap within 2 standard errors of 0 is marked: its ratios are noise, not recovery.", ""]
-    out += ["| precision | " + " | ".join(correctors) + " |", "|---" * (len(correctors) + 1) + "|"]
+    out += ["", f"### 2. Gap recovered by each corrector: (x - none) / ({baseline} - none)", ""]
+    out += [
+        "One row per corrector, best first. A gap within 2 standard errors of 0 is marked: its ratios are "
+        "noise, not recovery.",
+        "",
+        f"| precision | corrector | {label} | seeds | x - none | gap recovered |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in precisions:
         if (p, "none") not in rows:
             continue
         none_stat = _stat(rows[(p, "none")], metric)
-        none = none_stat[0]
         gap, gap_se = diff_with_se(fp32, none_stat)
-        noise = " (within 2 SE)" if math.isfinite(gap_se) and abs(gap) < 2 * gap_se else ""
-        cells = []
-        for c in correctors:
-            x = _stat(rows[(p, c)], metric)[0] if (p, c) in rows else float("nan")
-            cells.append(_fmt((x - none) / gap, ".2f") if gap and math.isfinite(x) else "n/a")
-        out.append(f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | " + " | ".join(cells) + " |")
+        noise = " (gap within 2 SE)" if math.isfinite(gap_se) and abs(gap) < 2 * gap_se else ""
+        here = [(c, _stat(row, metric)) for (pp, c), row in rows.items() if pp == p and c != "none"]
+        for c, x in sorted(here, key=lambda t: (-t[1][0] if math.isfinite(t[1][0]) else math.inf, t[0])):
+            d, se = diff_with_se(x, none_stat)
+            recovered = (x[0] - none_stat[0]) / gap if gap and math.isfinite(x[0]) else float("nan")
+            out.append(
+                f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | {c} | {_fmt(x[0])} ± "
+                f"{_fmt(x[1], '.3f')} | {x[2]} | {_fmt(d)} ± {_fmt(se, '.3f')} | {_fmt(recovered, '.2f')} |"
+            )
 
     out += ["", "### 3. AIS vs the best of TIS / MIS", ""]
     out += ["| precision | AIS | best of TIS/MIS | AIS - best |", "|---|---|---|---|"]
@@ -140,7 +167,7 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         "|---|---|---|---|---|",
     ]
     for (p, c), row in sorted(rows.items()):
-        if p == "fp32":
+        if p == baseline:
             continue
         h = row.get("histories", {})
         kl = quarter_means(h.get("mismatch_kl", {}))
@@ -152,16 +179,53 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
             f"{_fmt(ent[1], '.3f')} | {_fmt(lam[0], '.4f')} -> {_fmt(lam[1], '.4f')} | {_fmt(r, '+.2f')} |"
         )
 
-    out += ["", "### 5. Rollout throughput inside training, relative to fp32", ""]
-    out += ["| precision | rollout tok/s (mean over its runs) | vs fp32 |", "|---|---|---|"]
+    out += ["", f"### 5. Rollout throughput inside training, relative to {baseline}", ""]
+    out += ["| precision | rollout tok/s (mean over its runs) | vs baseline |", "|---|---|---|"]
     tps32 = _stat(base, "rollout_tokens_per_s")[0]
-    for p in ["fp32", *precisions]:
+    for p in [baseline, *precisions]:
         vals = [_stat(r, "rollout_tokens_per_s") for (pp, _), r in rows.items() if pp == p]
         vals = [v[0] for v in vals if math.isfinite(v[0])]
         if vals:
             tps = statistics.fmean(vals)
             out.append(f"| {p} | {tps:.0f} | {tps / tps32:.2f}x |")
+
+    out += early_vs_late(rows, baseline)
     return "\n".join(out) + "\n"
+
+
+def early_vs_late(rows: dict, baseline: str) -> list[str]:
+    """Claim 6, "exploration early, bias later": greedy val accuracy of each row minus that of the
+    uncorrected row at the same precision, at the validation nearest to a quarter of the training
+    steps ("early"; never the one before training) and at the last validation ("late"); the baseline row is compared with
+    each precision's uncorrected row the same way. An early advantage of ``none`` shows as negative
+    differences early; late damage as positive ones late."""
+    out = ["", "### 6. Exploration early, bias later: val accuracy minus the uncorrected run's", ""]
+    out += [
+        "Early = the validation nearest to 1/4 of the steps, late = the last one (differences ± SE).",
+        "",
+        "| precision | row | early step | early: x - none | late step | late: x - none |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in sorted({p for p, _ in rows if p != baseline}):
+        if (p, "none") not in rows:
+            continue
+        none_h = rows[(p, "none")].get("histories", {}).get("val_accuracy", {})
+        steps = none_h.get("step", [])
+        if len(steps) < 2:
+            continue
+        late = steps[-1]
+        early = min(steps[1:], key=lambda s: abs(s - late / 4))  # the first tie wins
+        others = [(baseline, rows[(baseline, "none")])] + sorted(
+            (c, row) for (pp, c), row in rows.items() if pp == p and c != "none"
+        )
+        for name, row in others:
+            h = row.get("histories", {}).get("val_accuracy", {})
+            cells = []
+            for step in (early, late):
+                d, se = diff_with_se(history_at(h, step), history_at(none_h, step))
+                cells.append(f"{_fmt(d)} ± {_fmt(se, '.3f')}")
+            out.append(f"| {p} | {name} | {early:g} | {cells[0]} | {late:g} | {cells[1]} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="METRIC_KEY",
         help="also plot this logged metric vs step per configuration (repeatable), e.g. ais/severity",
     )
+    parser.add_argument(
+        "--baseline",
+        default="fp32",
+        metavar="ROLLOUT",
+        help="the rollout option of the full-precision baseline that 'gap recovered' measures against "
+        "(default %(default)s; llada_fp32 for the diffusion family)",
+    )
     return parser
 
 
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             group_by=group_by,
             metric_names=names,
             extra_plots=args.plot,
+            baseline_precision=args.baseline,
         )
     except ReportError as err:
         print(f"sweep_report: error: {err}", file=sys.stderr)

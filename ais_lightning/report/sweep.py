@@ -138,6 +138,7 @@ def build_report(
         "experiment": experiment,
         "tracking_uri": tracking_uri,
         "group_by": keys,
+        "baseline": {"precision": baseline_precision, "corrector": no_correction},
         "metric_names": dataclasses.asdict(names),
         "plots": {k: p.name for k, p in plots.items()},
         "skipped_plots": skipped,

@@ -140,6 +140,18 @@ def test_the_diffusion_preset_warm_starts_on_its_canvas_length():
         validate(make("experiment=llada_small", "warmstart.max_new_tokens=5"))
 
 
+@pytest.mark.parametrize("preset", options("experiment"))
+def test_every_experiment_preset_composes_and_validates(preset):
+    validate(make(f"experiment={preset}"))
+
+
+def test_the_sudoku_preset_fits_a_whole_grid_in_its_responses():
+    c = validate(make("experiment=paper_sudoku4"))
+    assert type(c.task).__name__ == "Sudoku4" and c.task.empty_cells == 8
+    assert c.algorithm.max_new_tokens == 17 and c.warmstart.max_new_tokens == 17  # 16 digits + end
+    assert c.warmstart.target_band == [0.65, 0.75]
+
+
 def test_qarl_sets_the_aligned_forward_and_needs_a_quantized_rollout():
     cfg = make("corrector=qarl", "rollout=fp8")
     assert cfg.policy.aligned_quantization == "fp8"

@@ -60,8 +60,11 @@ def test_claims_numbers(tmp_path, capsys):
     se = math.sqrt(2 * 0.02**2 / 2)  # = 0.02
     # 1: none - fp32 = -0.100 ± 0.020, half of the fp32 gain lost
     assert f"| -0.100 ± {se:.3f} | 50% |" in text
-    # 2: gap 0.1; tis (0.14-0.1)/0.1 = 0.4, mis 0.6, ais 0.9 (columns sorted: ais, mis, tis)
-    assert "| fp8 (gap +0.100 ± 0.020) | 0.90 | 0.60 | 0.40 |" in text  # 0.1 > 2 SE: not marked
+    # 2: gap 0.1; tis (0.14-0.1)/0.1 = 0.4, mis 0.6, ais 0.9, one row each, best first
+    gap = "| fp8 (gap +0.100 ± 0.020) |"  # 0.1 > 2 SE: not marked
+    assert f"{gap} ais | +0.190 ± 0.020 | 2 | +0.090 ± 0.020 | 0.90 |" in text
+    assert f"{gap} tis | +0.140 ± 0.020 | 2 | +0.040 ± 0.020 | 0.40 |" in text
+    assert text.index(f"{gap} ais") < text.index(f"{gap} mis") < text.index(f"{gap} tis")
     # 3: AIS 0.19 vs best mis 0.16 -> +0.030
     assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 |" in text
     # 4: quarters of 4 values = first and last value; lambda falls with entropy: corr -1
@@ -77,7 +80,7 @@ def test_gap_within_noise_is_marked(tmp_path, capsys):
     path = tmp_path / "report.json"
     path.write_text(json.dumps({"rows": rows}))
     assert tool.main([str(path)]) == 0
-    assert "| fp8 (gap +0.030 ± 0.020 (within 2 SE)) |" in capsys.readouterr().out
+    assert "| fp8 (gap +0.030 ± 0.020 (gap within 2 SE)) | ais |" in capsys.readouterr().out
 
 
 def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
@@ -102,7 +105,7 @@ def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
     path.write_text(json.dumps({"rows": rows}))
     assert tool.main([str(path)]) == 0
     text = capsys.readouterr().out
-    assert "| fp8 (gap +0.100 ± 0.020) | 0.90 | 0.60 | 0.40 |" in text and "| fp8 | 525 | 0.53x |" in text
+    assert "| fp8 (gap +0.100 ± 0.020) | ais | +0.190" in text and "| fp8 | 525 | 0.53x |" in text
 
 
 def test_missing_baseline_is_a_clear_error(tmp_path, capsys):
@@ -111,6 +114,39 @@ def test_missing_baseline_is_a_clear_error(tmp_path, capsys):
     path.write_text(json.dumps({"rows": REPORT["rows"][1:]}))
     assert tool.main([str(path)]) == 2
     assert "fp32 / none" in capsys.readouterr().err
+
+
+def _with_val(row, means, stds, steps=(0, 25, 50, 75, 100)):
+    history = {"step": list(steps), "mean": means, "std": stds, "n": [2] * len(steps)}
+    return {**row, "histories": {**row["histories"], "val_accuracy": history}}
+
+
+def test_early_vs_late_and_a_named_baseline(tmp_path, capsys):
+    """Claim 6 against hand values, on a report whose baseline is the diffusion family's llada_fp32."""
+    tool = _load()
+
+    def renamed(row):
+        p = row["group"]["rollout.precision"]
+        return {**row, "group": {**row["group"], "rollout.precision": f"llada_{p}"}}
+
+    rows = [renamed(r) for r in REPORT["rows"][:3]]  # fp32 / none, fp8 / none, fp8 / tis
+    rows[0] = _with_val(rows[0], [0.5, 0.55, 0.6, 0.7, 0.8], [0.0, 0.03, 0.0, 0.0, 0.04])
+    rows[1] = _with_val(rows[1], [0.5, 0.60, 0.6, 0.6, 0.7], [0.0, 0.04, 0.0, 0.0, 0.03])
+    rows[2] = _with_val(rows[2], [0.5, 0.58, 0.6, 0.7, 0.75], [0.0, 0.0, 0.0, 0.0, 0.0])
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"rows": rows, "baseline": {"precision": "llada_fp32", "corrector": "none"}}))
+    assert tool.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "### 1. Uncorrected low precision vs llada_fp32" in text
+    # early = the validation nearest to 100 / 4 = 25; SE = sqrt(s1^2/2 + s2^2/2)
+    se_early = math.sqrt(0.03**2 / 2 + 0.04**2 / 2)  # 0.0354
+    se_late = math.sqrt(0.04**2 / 2 + 0.03**2 / 2)
+    assert f"| llada_fp8 | llada_fp32 | 25 | -0.050 ± {se_early:.3f} | 100 | +0.100 ± {se_late:.3f} |" in text
+    se_tis = math.sqrt(0.04**2 / 2)
+    assert (
+        f"| llada_fp8 | tis | 25 | -0.020 ± {se_tis:.3f} | 100 | +0.050 ± {math.sqrt(0.03**2 / 2):.3f} |"
+        in text
+    )
 
 
 @pytest.mark.parametrize(

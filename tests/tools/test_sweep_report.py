@@ -247,6 +247,13 @@ def test_group_by_and_metric_map_options(sweep, tmp_path, capsys):
     header, rows = _table((tmp_path / "b" / "report.md").read_text())
     assert {r["final val acc"] for r in rows} == {"0.900 ± 0.000"}
     assert "gap recovered" not in header  # fp32 - none = 0: undefined everywhere
+
+    # another rollout as the baseline (the diffusion family's is llada_fp32), recorded in report.json
+    assert cli.main(args + ["--out", str(tmp_path / "c"), "--baseline", "fp8"]) == 0
+    _, rows = _table((tmp_path / "c" / "report.md").read_text())
+    assert _row(rows, "int8", "ais")["gap recovered"] == "1.250"  # (0.5 - 0.25) / (0.45 - 0.25)
+    data = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert data["baseline"] == {"precision": "fp8", "corrector": "none"}
     capsys.readouterr()
 
 

@@ -36,13 +36,14 @@ from ais_lightning.report import reference_keys
 
 
 def _stat(row: dict, col: str) -> tuple[float, float, int]:
+    """(mean, std, n) of ``row[col]`` (a ``{"mean", "std", "n"}`` dict); nan / 0 where missing."""
     s = row.get(col) or {}
     mean = s.get("mean")
     std = s.get("std")
     return (
         float("nan") if mean is None else mean,
         float("nan") if std is None else std,
-        s.get("n", 0),
+        s.get("n") or 0,
     )
 
 
@@ -84,15 +85,9 @@ def history_at(history: dict, step: float) -> tuple[float, float, int]:
     """(mean, std, n) of the history's first point at or after ``step`` (nan, nan, 0 if none)."""
     for i, s in enumerate(history.get("step", [])):
         if s >= step:
-            mean = history["mean"][i]
-            std = (history.get("std") or [None] * (i + 1))[i]
-            n = (history.get("n") or [0] * (i + 1))[i]
-            return (
-                float("nan") if mean is None else mean,
-                float("nan") if std is None else std,
-                n or 0,
-            )
-    return float("nan"), float("nan"), 0
+            point = {key: (history.get(key) or [None] * (i + 1))[i] for key in ("mean", "std", "n")}
+            return _stat({"point": point}, "point")
+    return _stat({}, "point")
 
 
 def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_gain") -> str:
@@ -113,15 +108,15 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         f"| precision | {label} (none) | {baseline} | none - {baseline} | lost share of the {baseline} gain |",
         "|---|---|---|---|---|",
     ]
-    fp32 = _stat(base, metric)
+    base_stat = _stat(base, metric)
     for p in precisions:
         if (p, "none") not in rows:
             continue
         none = _stat(rows[(p, "none")], metric)
-        d, se = diff_with_se(none, fp32)
-        lost = -d / fp32[0] + 0.0 if metric == "val_accuracy_gain" and fp32[0] else float("nan")
+        d, se = diff_with_se(none, base_stat)
+        lost = -d / base_stat[0] + 0.0 if metric == "val_accuracy_gain" and base_stat[0] else float("nan")
         out.append(
-            f"| {p} | {_fmt(none[0])} ± {_fmt(none[1], '.3f')} | {_fmt(fp32[0])} ± {_fmt(fp32[1], '.3f')} "
+            f"| {p} | {_fmt(none[0])} ± {_fmt(none[1], '.3f')} | {_fmt(base_stat[0])} ± {_fmt(base_stat[1], '.3f')} "
             f"| {_fmt(d)} ± {_fmt(se, '.3f')} | {_fmt(lost, '.0%')} |"
         )
 
@@ -137,7 +132,7 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         if (p, "none") not in rows:
             continue
         none_stat = _stat(rows[(p, "none")], metric)
-        gap, gap_se = diff_with_se(fp32, none_stat)
+        gap, gap_se = diff_with_se(base_stat, none_stat)
         noise = " (gap within 2 SE)" if math.isfinite(gap_se) and abs(gap) < 2 * gap_se else ""
         here = [(c, _stat(row, metric)) for (pp, c), row in rows.items() if pp == p and c != "none"]
         for c, x in sorted(here, key=lambda t: (-t[1][0] if math.isfinite(t[1][0]) else math.inf, t[0])):
@@ -181,13 +176,13 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
 
     out += ["", f"### 5. Rollout throughput inside training, relative to {baseline}", ""]
     out += ["| precision | rollout tok/s (mean over its runs) | vs baseline |", "|---|---|---|"]
-    tps32 = _stat(base, "rollout_tokens_per_s")[0]
+    tps_base = _stat(base, "rollout_tokens_per_s")[0]
     for p in [baseline, *precisions]:
         vals = [_stat(r, "rollout_tokens_per_s") for (pp, _), r in rows.items() if pp == p]
         vals = [v[0] for v in vals if math.isfinite(v[0])]
         if vals:
             tps = statistics.fmean(vals)
-            out.append(f"| {p} | {tps:.0f} | {tps / tps32:.2f}x |")
+            out.append(f"| {p} | {tps:.0f} | {tps / tps_base:.2f}x |")
 
     out += early_vs_late(rows, baseline)
     return "\n".join(out) + "\n"

@@ -26,6 +26,7 @@ import math
 import torch
 
 from ais_lightning import ops
+from ais_lightning.checks import check_int
 from ais_lightning.correctors.base import Corrector, RawCorrection, check_level
 from ais_lightning.correctors.distributed import all_gather_values, all_reduce_sum
 
@@ -159,8 +160,7 @@ class PSIS(Corrector):
     def __init__(self, level: str = "token", max_tail: int = 4096) -> None:
         super().__init__()
         check_level(level)
-        if isinstance(max_tail, bool) or not isinstance(max_tail, int) or max_tail < MIN_TAIL:
-            raise ValueError(f"max_tail must be an int >= {MIN_TAIL}, got {max_tail!r}")
+        check_int(max_tail, "max_tail", MIN_TAIL)
         self.level = level
         self.max_tail = int(max_tail)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
+from ais_lightning.checks import check_int
 from ais_lightning.models.tokenizer import (
     BOS_TOKEN_ID,
     CHAR_VOCAB_SIZE,
@@ -93,9 +94,7 @@ class TinyDiffusionConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TinyDiffusionConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, name), f"TinyDiffusionConfig.{name}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"TinyDiffusionConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "

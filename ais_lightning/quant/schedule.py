@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from ais_lightning.checks import check_int
+
 from .linear import QuantLinear, switch_recipe
 from .recipes import QuantRecipe, get_recipe, nested_int_recipe
 
@@ -64,8 +66,7 @@ class PrecisionSchedule:
     ) -> PrecisionSchedule:
         """Nested-integer stages ``bits[0] -> bits[1] -> ...``, each ``steps_per_stage`` steps long (the last
         one open-ended), built with :func:`ais_lightning.quant.recipes.nested_int_recipe`."""
-        if not isinstance(steps_per_stage, int) or isinstance(steps_per_stage, bool) or steps_per_stage < 1:
-            raise ValueError(f"steps_per_stage must be an int >= 1, got {steps_per_stage!r}")
+        check_int(steps_per_stage, "steps_per_stage")
         if not bits:
             raise ValueError("bits must name at least one width (8, 4 or 2)")
         return cls(

@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ais_lightning.checks import check_int
 from ais_lightning.ops import logprobs_from_logits, pad_sequences
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
 from ais_lightning.rollout.sampling import make_generator, sample_next
@@ -98,8 +99,7 @@ def denoising_schedule(
     positions in a block). Otherwise LLaDA would refuse; here the total differs from ``steps`` only when
     ``steps`` is fewer than the blocks (one step each) or more than ``length`` (one token per step).
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"length must be an int >= 1, got {length!r}")
+    check_int(length, "length")
     for name, value in (("steps", steps), ("block_length", block_length)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")

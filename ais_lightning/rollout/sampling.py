@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ais_lightning.checks import check_int
 from ais_lightning.ops import logprobs_from_logits
 
 
@@ -101,9 +102,8 @@ def uniform_table(rows: int, steps: int, seed: int | None = None) -> torch.Tenso
     Row ``i``'s noise is ``table[i]`` whatever else is generated with it, so any subset of rows can be
     generated again with the same noise (``ais_lightning.rollout.coupled.regenerate``).
     """
-    for name, value in (("rows", rows), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_int(rows, "rows")
+    check_int(steps, "steps")
     return torch.rand((rows, steps), generator=make_generator(seed), dtype=torch.float32)
 
 

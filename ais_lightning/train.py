@@ -98,6 +98,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from ais_lightning.files import VerifiedCheckpointIO
     from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.noise import silence_known_noise
+    from ais_lightning.signals import SigtermGuard
     from ais_lightning.summary import format_summary, summarize, write_summary
     from ais_lightning.tasks import PromptDataModule
     from ais_lightning.tracking import (
@@ -161,6 +162,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     per_rollout = algo.optimizer_steps_per_rollout
     every = c.trainer.checkpoint_every_n_steps * per_rollout or None
     val_every = min(algo.val_every_n_steps, steps)  # in training batches = rollout steps
+    guard = SigtermGuard()
     trainer = L.Trainer(
         accelerator=c.trainer.accelerator,
         devices=c.trainer.devices,
@@ -174,6 +176,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         logger=logger,
         plugins=[VerifiedCheckpointIO()],  # every checkpoint gets a SHA-256 sidecar, checked on resume
         callbacks=[
+            guard,
             checkpoint_callback(cfg.output_dir, every),
             MLflowRunInCheckpoint(logger),
             *([progress_bar("GRPO")] if c.trainer.enable_progress_bar else []),
@@ -183,74 +186,86 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log_every_n_steps=1,
         default_root_dir=cfg.output_dir,
     )
-    continues = bool(resume) and getattr(logger, "run_id", None) == resume["run_id"]
-    if logger and not continues:  # a new run (also when a resume is sent to another store explicitly)
-        logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
-        if warm is not None:  # the start the run's gains are measured from
-            logger.log_metrics({"warmstart/accuracy": warm.accuracy, "warmstart/steps": warm.steps}, step=0)
-    elif continues:
-        reopen_run(logger)  # continue the checkpoint's run; its params stay those of its first start
-        logger.experiment.set_tag(
-            logger.run_id, f"resumed_at_step_{checkpoint.get('global_step')}", ckpt_path
-        )
-        # the checkpointed step's metrics, in case the process was killed before it logged them
-        log_missing_metrics(logger, resume.get("pending"))
+    # From here the MLflow run is open: a SIGTERM is recorded and ends the run at the next check (summary,
+    # run KILLED, exit 143), never by the default action that would leave the run RUNNING or FINISHED.
+    with guard.installed():
+        continues = bool(resume) and getattr(logger, "run_id", None) == resume["run_id"]
+        if logger and not continues:  # a new run (also when a resume is sent to another store explicitly)
+            logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
+            if warm is not None:  # the start the run's gains are measured from
+                logger.log_metrics(
+                    {"warmstart/accuracy": warm.accuracy, "warmstart/steps": warm.steps}, step=0
+                )
+        elif continues:
+            reopen_run(logger)  # continue the checkpoint's run; its params stay those of its first start
+            logger.experiment.set_tag(
+                logger.run_id, f"resumed_at_step_{checkpoint.get('global_step')}", ckpt_path
+            )
+            # the checkpointed step's metrics, in case the process was killed before it logged them
+            log_missing_metrics(logger, resume.get("pending"))
 
-    status = "finished"
-    recovered: dict[str, float] = {}
-    skipped = skipped_validation(checkpoint, val_every) if ckpt_path else None
-    try:
-        if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
-            (start,) = trainer.validate(module, datamodule=data, verbose=False)
-            module.validation_start = {k: float(v) for k, v in start.items()}
-            reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
-        elif skipped is not None:  # the validation due right after the checkpoint, which fit() would skip
-            recovered = _recover_validation(trainer, module, data, ckpt_path, logger, *skipped)
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except SIGTERMException:
-        status = "sigterm"
-    except SystemExit as exc:  # Lightning turns Ctrl+C into sys.exit(1) after finalizing the loggers
-        if trainer.state.status.value != "interrupted":
-            raise
-        status = "sigint" if exc.code == 1 else "sigterm"
-    except KeyboardInterrupt:
-        status = "sigint"
+        status = "finished"
+        recovered: dict[str, float] = {}
+        skipped = skipped_validation(checkpoint, val_every) if ckpt_path else None
+        try:
+            guard.raise_if_received()
+            if ckpt_path is None:  # validation accuracy before RL, the reference for the end of the run
+                (start,) = trainer.validate(module, datamodule=data, verbose=False)
+                module.validation_start = {k: float(v) for k, v in start.items()}
+                reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
+            elif skipped is not None:  # the validation due right after the checkpoint, which fit() would skip
+                recovered = _recover_validation(trainer, module, data, ckpt_path, logger, *skipped)
+            guard.raise_if_received()  # e.g. during validate()'s last batch, which Lightning does not check
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            status = "sigterm"
+        except SystemExit as exc:  # Lightning turns Ctrl+C into sys.exit(1) after finalizing the loggers
+            if trainer.state.status.value != "interrupted":
+                raise
+            status = "sigint" if exc.code == 1 else "sigterm"
+        except KeyboardInterrupt:
+            status = "sigint"
 
-    summary = summarize(module.history)
-    summary["status"] = "finished" if status == "finished" else "interrupted"
-    val = {**recovered, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
-    summary["validation_start"] = dict(module.validation_start)
-    if warm is not None:
-        summary["warm_start"] = {
-            "accuracy": warm.accuracy,
-            "eval_size": warm.eval_size,
-            "steps": warm.steps,
-            "from_cache": warm.from_cache,
-            "path": str(warm.path),
+        summary = summarize(module.history)
+        summary["status"] = "finished" if status == "finished" else "interrupted"
+        val = {
+            **recovered,
+            **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
         }
-    summary["validation"] = val
-    summary["wall_time_s"] = time.perf_counter() - started
-    if trainer.is_global_zero:
-        extra = {"warm-start": warm_info, "wall time": f"{summary['wall_time_s']:.0f} s"}
-        for key, value in val.items():
-            before = summary["validation_start"].get(key)
-            extra[key] = (
-                f"{value:.3f}" if before is None else f"{before:.3f} -> {value:.3f} ({value - before:+.3f})"
-            )
-        files = write_summary(summary, module.history, cfg.output_dir)
-        Path(cfg.output_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        files.append(Path(cfg.output_dir, "config.yaml"))
-        if logger and hasattr(logger, "run_id"):
-            _log_to_mlflow(logger, summary, files)
-            if status != "finished":
-                logger.experiment.set_terminated(logger.run_id, "KILLED")
-            extra["mlflow"] = (
-                f"{logger._tracking_uri} (experiment {c.logger.experiment_name!r}, run {logger.run_id})"
-            )
-        extra["outputs"] = str(Path(cfg.output_dir).absolute())
-        print(format_summary(summary, extra), flush=True)
-    if status != "finished":
-        raise SystemExit(EXIT_CODES[status])
+        summary["validation_start"] = dict(module.validation_start)
+        if warm is not None:
+            summary["warm_start"] = {
+                "accuracy": warm.accuracy,
+                "eval_size": warm.eval_size,
+                "steps": warm.steps,
+                "from_cache": warm.from_cache,
+                "path": str(warm.path),
+            }
+        summary["validation"] = val
+        summary["wall_time_s"] = time.perf_counter() - started
+        if trainer.is_global_zero:
+            extra = {"warm-start": warm_info, "wall time": f"{summary['wall_time_s']:.0f} s"}
+            for key, value in val.items():
+                before = summary["validation_start"].get(key)
+                extra[key] = (
+                    f"{value:.3f}"
+                    if before is None
+                    else f"{before:.3f} -> {value:.3f} ({value - before:+.3f})"
+                )
+            files = write_summary(summary, module.history, cfg.output_dir)
+            Path(cfg.output_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            files.append(Path(cfg.output_dir, "config.yaml"))
+            if logger and hasattr(logger, "run_id"):
+                _log_to_mlflow(logger, summary, files)
+                if status != "finished":
+                    logger.experiment.set_terminated(logger.run_id, "KILLED")
+                extra["mlflow"] = (
+                    f"{logger._tracking_uri} (experiment {c.logger.experiment_name!r}, run {logger.run_id})"
+                )
+            extra["outputs"] = str(Path(cfg.output_dir).absolute())
+            print(format_summary(summary, extra), flush=True)
+        if status != "finished":
+            raise SystemExit(EXIT_CODES[status])
     return summary
 
 

@@ -3,6 +3,8 @@
 The parts are what a user could plug in by one YAML file on Hydra's search path (``hydra.searchpath``):
 
 - :class:`NaNLogprobEngine`: a rollout engine whose log-probs are NaN on every sampled token;
+- :class:`SigtermOnGreedyEngine`: a rollout engine that sends SIGTERM to its own process the first time
+  it decodes greedily (a validation), the way a scheduler's stop can arrive at any moment;
 - :class:`FlakyArithmetic`: the arithmetic task with a reward function that raises (always, or on every
   other call) and warns once.
 
@@ -16,6 +18,7 @@ time, so that two real processes start "in the same second" as far as Hydra can 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import warnings
@@ -41,6 +44,18 @@ class NaNLogprobEngine(TorchRolloutEngine):
         batch = super().generate(prompts, sampling)
         batch.rollout_logprobs = batch.rollout_logprobs.masked_fill(batch.response_mask, float("nan"))
         return batch
+
+
+class SigtermOnGreedyEngine(TorchRolloutEngine):
+    """The torch engine, sending SIGTERM to this process on its first greedy ``generate`` (validation)."""
+
+    sent = False
+
+    def generate(self, prompts: Any, sampling: Any) -> Any:
+        if sampling.temperature == 0 and not SigtermOnGreedyEngine.sent:
+            SigtermOnGreedyEngine.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().generate(prompts, sampling)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from tests.reliability.runs import (
     read_json,
     run_seconds,
     train,
+    user_conf,
 )
 
 
@@ -114,6 +115,38 @@ def test_sigterm_exits_143_with_a_summary_and_a_killed_mlflow_run_that_resumes(t
     summary = read_json(out / "summary.json")
     assert summary["status"] == "finished" and summary["steps"] == 3
     assert summary["validation_start"]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_validation_before_training_ends_the_run_killed(tmp_path: Path):
+    """SIGTERM in the last (here: only) batch of the validation before RL: Lightning's evaluation loop does
+    not check its last batch and ``fit`` resets its flag, so the run used to train to the end and exit 0.
+    Now it stops before its first step: exit 143, summary interrupted, MLflow run KILLED."""
+    out = tmp_path / "run"
+    conf = user_conf(
+        tmp_path,
+        {
+            "rollout/sigterm.yaml": "_target_: tests.reliability.faults.SigtermOnGreedyEngine\n_partial_: true\n"
+        },
+    )
+    run = Run(
+        [
+            *SMOKE,
+            "rollout=sigterm",
+            "algorithm.val_size=4",  # one validation batch of prompts_per_step=4
+            "logger=mlflow",
+            f"hydra.searchpath=[file://{conf}]",
+            f"hydra.run.dir={out}",
+        ],
+        tmp_path,
+    )
+    run.expect(143)
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "interrupted" and summary["steps"] == 0, summary
+    assert "INTERRUPTED" in run.stdout
+    (killed,) = mlflow_runs(out / "mlflow.db")
+    assert killed.info.status == "KILLED"
+    assert not metric_by_step(out / "mlflow.db", killed.info.run_id, "reward/mean"), "no RL step ran"
 
 
 def test_warmstart_steps_zero_fails_validation_naming_the_key():

@@ -12,6 +12,10 @@ REPO = Path(__file__).resolve().parents[2]
 # A seconds-long run: tiny model, no warm-start, a few rollout steps.
 SMOKE = ["experiment=smoke", "trainer.num_threads=1"]
 
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE")
+"""Where torch.distributed processes meet: a leftover from another test (or a cluster job) misroutes a
+local multi-process run."""
+
 
 def run_train(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 600):
     """``python -m ais_lightning.train ARGS`` in ``cwd``; raises with the output on failure."""

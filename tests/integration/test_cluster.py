@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 import ais_lightning
 from ais_lightning.build import validate
 from ais_lightning.config import register_configs
+from tests.integration.helpers import RENDEZVOUS_VARIABLES
 
 CONF = Path(ais_lightning.__file__).parent / "conf"
 register_configs()
@@ -62,7 +63,7 @@ def test_multi_node_fsdp2_takes_its_ranks_from_slurm(monkeypatch):
         monkeypatch.setenv(key, value)
     # Lightning's SLURMEnvironment writes MASTER_ADDR (and others) into os.environ itself: registering them
     # with monkeypatch makes the teardown remove them, so later tests' processes do not rendezvous at node1.
-    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE"):
+    for key in RENDEZVOUS_VARIABLES:
         monkeypatch.delenv(key, raising=False)
     # The strategy also sets the process-wide rank_zero_only.rank to this task's rank (3): restored after the
     # test, else every later logger in this process acts as a non-zero rank (a DummyExperiment).

@@ -15,14 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.helpers import RENDEZVOUS_VARIABLES
+
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(mode: str, out: Path) -> None:
-    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous and not k.startswith("SLURM_")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES and not k.startswith("SLURM_")
+    }
     env.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)})  # a local 2-process run
     proc = subprocess.run(
         [sys.executable, str(WORKER), mode, str(out)], env=env, capture_output=True, text=True, timeout=600

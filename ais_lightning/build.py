@@ -44,6 +44,42 @@ class Components:
     trainer: Any
     logger: Any
 
+    def grpo_module(
+        self, policy: Any, seed: int, module_class: type | None = None, validation: bool = True
+    ) -> Any:
+        """The run's LightningModule on ``policy``: ``module_class``, else the algorithm's own
+        (``algorithm.module_class``, e.g. Sol-RL's), else ``GRPOModule``. ``validation=False`` leaves out
+        the trainer-precision engine that validation uses."""
+        from ais_lightning.modules.grpo import GRPOModule
+
+        if module_class is None:  # an algorithm's module_class returns its class (imported lazily)
+            factory = getattr(self.algorithm, "module_class", None)
+            module_class = factory() if factory is not None else GRPOModule
+        return module_class(
+            policy=policy,
+            task=self.task,
+            corrector=self.corrector,
+            loss=self.loss,
+            engine_factory=self.engine,
+            settings=self.algorithm,
+            eval_engine_factory=self.eval_engine if validation else None,
+            seed=seed,
+        )
+
+    def prompt_data(self, batches: int, seed: int) -> Any:
+        """The prompts ``ais-train`` draws: an endless stream cut into ``batches`` batches per epoch (batch k
+        is the same whatever ``batches`` is), with ``algorithm.val_size`` held-out validation prompts."""
+        from ais_lightning.tasks import PromptDataModule
+
+        return PromptDataModule(
+            self.task,
+            train_size=None,
+            batches_per_epoch=batches,
+            val_size=self.algorithm.val_size,
+            batch_size=self.algorithm.prompts_per_step,
+            seed=seed,
+        )
+
 
 def _arguments(node: DictConfig) -> dict[str, Any]:
     return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}

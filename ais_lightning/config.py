@@ -194,3 +194,19 @@ def register_configs() -> None:
         for name, target in options.items():
             node = schema_for(target, exclude=exclude, partial=group in PARTIAL_GROUPS)
             cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def compose_train_config(overrides: list[str]) -> Any:
+    """The ``ais-train`` config composed with ``overrides`` (as on its command line), without running it.
+
+    For scripts and notebooks that build the components ``ais-train`` would
+    (``ais_lightning.build.validate(cfg)``); Hydra's run-time keys (``hydra.*``) are not available.
+    """
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    conf = Path(__file__).parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose("train", overrides=list(overrides))

@@ -96,11 +96,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     from ais_lightning.build import validate
     from ais_lightning.files import VerifiedCheckpointIO
-    from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.noise import silence_known_noise
     from ais_lightning.signals import SigtermGuard
     from ais_lightning.summary import format_summary, summarize, write_summary
-    from ais_lightning.tasks import PromptDataModule
     from ais_lightning.tracking import (
         MLflowRunInCheckpoint,
         build_logger,
@@ -137,27 +135,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
 
     algo = c.algorithm
-    module_class = getattr(algo, "module_class", None)  # an algorithm may run its own module (solrl)
-    module = (module_class() if module_class is not None else GRPOModule)(
-        policy=policy,
-        task=c.task,
-        corrector=c.corrector,
-        loss=c.loss,
-        engine_factory=c.engine,
-        settings=algo,
-        eval_engine_factory=c.eval_engine,
-        seed=cfg.seed,
-    )
+    module = c.grpo_module(policy, cfg.seed)
     steps = c.trainer.max_steps
-    # An endless prompt stream (batch k is the same whatever max_steps is): a resume may raise max_steps.
-    data = PromptDataModule(
-        c.task,
-        train_size=None,
-        batches_per_epoch=steps,
-        val_size=algo.val_size,
-        batch_size=algo.prompts_per_step,
-        seed=cfg.seed,
-    )
+    data = c.prompt_data(steps, cfg.seed)  # a resume may raise max_steps: batch k stays batch k
     logger = build_logger(c.logger, cfg.output_dir, resume=resume)
     per_rollout = algo.optimizer_steps_per_rollout
     every = c.trainer.checkpoint_every_n_steps * per_rollout or None

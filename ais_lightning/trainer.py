@@ -139,6 +139,32 @@ def progress_bar(label: str) -> Any:
     return StepProgressBar()
 
 
+def measuring_trainer(
+    root: str | Path, max_steps: int, precision: str = "32-true", callbacks: Any = ()
+) -> Any:
+    """A one-process CPU Trainer that only trains: no validation, checkpoint, logger, bar or summary.
+
+    For tools that drive the GRPO loop to measure it (``tools/train_speed.py``, ``tools/gradient_noise.py``).
+    """
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        callbacks=list(callbacks),
+        default_root_dir=root,
+    )
+
+
 def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None) -> Any:
     """Checkpoints under ``<output_dir>/checkpoints``: ``last.ckpt`` always, every N optimizer steps if set."""
     from lightning.pytorch.callbacks import ModelCheckpoint

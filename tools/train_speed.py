@@ -61,20 +61,14 @@ PRECISIONS = ("fp32", "int8", "fp8", "fp4", "bf16")
 
 def compose_config(config: str, precision: str, steps: int | None, threads: int | None, extra: list[str]):
     """The composed ``ais-train`` config of one configuration (``rollout=<precision> corrector=ais``)."""
-    from hydra import compose, initialize_config_dir
+    from ais_lightning.config import compose_train_config
 
-    import ais_lightning
-    from ais_lightning.config import register_configs
-
-    register_configs()
     overrides = [*CONFIGS[config], f"rollout={precision}", "corrector=ais", "output_dir=unused"]
     if steps is not None:
         overrides.append(f"trainer.max_steps={steps}")
     if threads is not None:
         overrides.append(f"trainer.num_threads={threads}")
-    conf = Path(ais_lightning.__file__).parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose("train", overrides=[*overrides, *extra])
+    return compose_train_config([*overrides, *extra])
 
 
 def _step_recorder() -> Any:
@@ -111,8 +105,7 @@ def run_segment(cfg: Any) -> dict[str, Any]:
     import lightning as L
 
     from ais_lightning.build import validate
-    from ais_lightning.modules.grpo import GRPOModule
-    from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.trainer import measuring_trainer
 
     c = validate(cfg)
     if c.trainer.strategy != "auto" or c.warmstart.enabled:
@@ -123,43 +116,14 @@ def run_segment(cfg: Any) -> dict[str, Any]:
         torch.set_num_threads(c.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy = c.policy.build(cfg.seed)
-    module = GRPOModule(
-        policy=policy,
-        task=c.task,
-        corrector=c.corrector,
-        loss=c.loss,
-        engine_factory=c.engine,
-        settings=c.algorithm,
-        seed=cfg.seed,
-    )
+    module = c.grpo_module(policy, cfg.seed, validation=False)
     steps = c.trainer.max_steps
-    # The prompts ais-train would draw (its validation prompts are held out of the stream).
-    data = PromptDataModule(
-        c.task,
-        train_size=None,
-        batches_per_epoch=steps,
-        val_size=c.algorithm.val_size,
-        batch_size=c.algorithm.prompts_per_step,
-        seed=cfg.seed,
-    )
+    data = c.prompt_data(steps, cfg.seed)  # the prompts ais-train would draw
     recorder = _step_recorder()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="train_speed_") as root:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            precision=c.trainer.precision,
-            max_steps=steps * c.algorithm.optimizer_steps_per_rollout,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            log_every_n_steps=1,
-            callbacks=[recorder],
-            default_root_dir=root,
-        )
+        max_steps = steps * c.algorithm.optimizer_steps_per_rollout
+        trainer = measuring_trainer(root, max_steps, c.trainer.precision, callbacks=[recorder])
         trainer.fit(module, datamodule=data)
     linear = sum(m.weight.numel() for m in policy.modules() if isinstance(m, torch.nn.Linear))
     info = {

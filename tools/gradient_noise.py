@@ -1,0 +1,184 @@
+"""Measure the GRPO gradient's noise-to-signal ratio φ, the one constant of AIS v2 the corrector cannot see.
+
+AIS v2 mixes the uncorrected and the importance-weighted gradient with λ = Rβ² / (Rβ² + φχ²_A), where
+``φ = Var(Ĝ)/|g|²`` is the noise-to-signal ratio of the batch gradient (``corrector.noise_to_signal``,
+default 1: the batch at its critical size; docs/ais.md section 6). This tool measures it for a
+configuration: the real ``ais-train`` pipeline (``ais_lightning.build.validate`` of the composed config,
+its warm start, ``GRPOModule`` under a one-process Lightning Trainer) draws ``--batches`` rollout
+batches at the *same* weights (no optimizer step), and for every prompt group computes the gradient of
+its part of the GRPO loss at the first optimizer step of an update (π_θ = π_old, the corrector's
+weights applied, ``corrector=none`` by default). The groups are the independent units (GRPO normalises
+advantages within a group); a group's gradient is scaled by ``groups_per_batch · n_group / n_batch`` so
+that a batch's token-mean gradient is the plain mean of its groups'. From all groups
+(``ais_lightning.diagnostics.gradient_noise.gradient_noise_scale``, McCandlish et al. 2018):
+
+    B_noise = tr(Σ) / |G|²  (in groups),   φ = B_noise / prompts_per_step
+
+Prints the table and the override that sets it (``corrector.noise_to_signal=<φ>``); ``--json`` writes it.
+Every ``ais-train`` override is accepted; the default is the paper protocol's FP4 run:
+
+    python tools/gradient_noise.py experiment=paper_small rollout=fp4 --batches 8
+    python tools/gradient_noise.py experiment=paper_sudoku4 rollout=fp4 --json phi.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+DEFAULT_OVERRIDES = ["experiment=paper_small", "rollout=fp4"]
+
+
+def _probe_class() -> type:
+    from ais_lightning.modules.grpo import GRPOModule
+
+    class GradientProbe(GRPOModule):
+        """GRPOModule whose training step records per-group gradients and leaves the weights as they are."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.unit_grads: list[torch.Tensor] = []  # one [P] per group
+            self.kl: list[float] = []
+            self.unit_mean_error = (
+                0.0  # max over batches of |mean of units - batch gradient| / |batch gradient|
+            )
+
+        def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
+            fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
+            exp, _ = self.collect_experience(batch["prompt"], fields)
+            self.kl.append(float(self.mismatch.compute()["mismatch/kl_k3"]))
+            self.mismatch.reset()
+            if exp is None:
+                raise RuntimeError("non-finite log-probs in a rollout batch: nothing to measure")
+            params = [p for p in self.policy.parameters() if p.requires_grad]
+
+            def flat_grad(part: Any) -> torch.Tensor:  # [P]
+                grads = torch.autograd.grad(self._loss(part).loss, params, allow_unused=True)
+                return torch.cat(
+                    [(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)]
+                ).double()
+
+            groups = exp.rollout.prompt_index.unique()  # [U] prompts of this batch
+            n_batch = exp.loss_mask.sum().clamp(min=1)
+            units = []
+            for prompt in groups:
+                rows = (exp.rollout.prompt_index == prompt).nonzero().flatten()  # [G] rows of one group
+                part = exp.rows(rows)
+                units.append(len(groups) * part.loss_mask.sum() / n_batch * flat_grad(part))
+            # the units' mean must be the batch's own gradient (the scaling above): checked, not assumed
+            whole = flat_grad(exp.rows(torch.arange(exp.rewards.shape[0])))
+            error = (torch.stack(units).mean(0) - whole).norm() / whole.norm().clamp(min=1e-30)
+            self.unit_mean_error = max(self.unit_mean_error, float(error))
+            self.unit_grads.extend(units)
+            self._empty_step(self.optimizers())  # counts the step, changes no weight
+
+    return GradientProbe
+
+
+def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]:
+    """φ and the quantities behind it for the composed config (``--batches`` rollout batches, fixed weights)."""
+    import lightning as L
+
+    from ais_lightning.build import validate
+    from ais_lightning.config import compose_train_config
+    from ais_lightning.diagnostics.gradient_noise import gradient_noise_scale
+    from ais_lightning.noise import silence_known_noise
+    from ais_lightning.trainer import measuring_trainer
+    from ais_lightning.warmstart import warm_start
+
+    silence_known_noise()
+    cfg = compose_train_config([*overrides, f"seed={seed}", "output_dir=unused"])
+    c = validate(cfg)
+    if c.trainer.strategy != "auto":
+        raise ValueError("gradient_noise runs one process (trainer.strategy=auto)")
+    if c.trainer.num_threads:
+        torch.set_num_threads(c.trainer.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    init_seed = c.warmstart.seed if c.warmstart.enabled and c.warmstart.seed is not None else cfg.seed
+    policy = c.policy.build(init_seed)
+    warm = None
+    if c.warmstart.enabled:
+        warm = warm_start(policy, policy.tokenizer, c.task, c.warmstart, seed=cfg.seed, progress_bar=False)
+    probe = c.grpo_module(policy, cfg.seed, module_class=_probe_class(), validation=False)
+    data = c.prompt_data(batches, cfg.seed)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gradient_noise_") as root:
+        max_steps = batches * c.algorithm.optimizer_steps_per_rollout
+        measuring_trainer(root, max_steps, c.trainer.precision).fit(probe, datamodule=data)
+    noise = gradient_noise_scale(torch.stack(probe.unit_grads))  # [U, P]
+    groups_per_batch = c.algorithm.prompts_per_step
+    return {
+        "overrides": list(overrides),
+        "seed": seed,
+        "warm_start_accuracy": None if warm is None else warm.accuracy,
+        "batches": batches,
+        "groups": noise.units,
+        "groups_per_batch": groups_per_batch,
+        "group_size": c.algorithm.group_size,
+        "mismatch_kl_k3": sum(probe.kl) / len(probe.kl),
+        "trace_sigma": noise.trace,
+        "signal_sq": noise.signal_sq,
+        "noise_scale_groups": noise.noise_scale,
+        "noise_to_signal": noise.noise_to_signal(groups_per_batch),
+        "unit_mean_rel_error": probe.unit_mean_error,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _advice(r: dict[str, Any]) -> str:
+    if r["trace_sigma"] == 0 and r["signal_sq"] == 0:
+        return "every group's gradient is zero (equal rewards within every group): no advantage, nothing to measure"
+    if not math.isfinite(r["noise_to_signal"]):
+        return "the signal is lost in the noise at this many groups (|G|² <= 0): measure more --batches"
+    return f"AIS v2 with this batch: corrector.noise_to_signal={r['noise_to_signal']:.3g} (default 1)"
+
+
+def format_result(r: dict[str, Any]) -> str:
+    phi = r["noise_to_signal"]
+    lines = [
+        f"gradient noise of {' '.join(r['overrides'])} (seed {r['seed']})",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| groups measured ({r['batches']} batches x {r['groups_per_batch']} prompts x {r['group_size']} samples) "
+        f"| {r['groups']} |",
+        f"| mismatch KL k3 (token mean) | {r['mismatch_kl_k3']:.3e} |",
+        f"| tr(Σ) per group | {r['trace_sigma']:.4e} |",
+        f"| \\|G\\|² | {r['signal_sq']:.4e} |",
+        f"| B_noise (groups) | {r['noise_scale_groups']:.2f} |",
+        f"| φ = B_noise / {r['groups_per_batch']} | **{phi:.3f}** |",
+        f"| check: \\|mean of groups − batch gradient\\| / \\|batch gradient\\| | {r['unit_mean_rel_error']:.1e} |",
+        "",
+        _advice(r),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "overrides", nargs="*", help=f"ais-train overrides (default: {' '.join(DEFAULT_OVERRIDES)})"
+    )
+    parser.add_argument("--batches", type=int, default=8, help="rollout batches at fixed weights (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (prompts and sampling)")
+    parser.add_argument("--json", help="write the numbers here")
+    args = parser.parse_args(argv)
+    if args.batches < 1:
+        parser.error(f"--batches must be >= 1, got {args.batches}")
+    result = measure(args.overrides or DEFAULT_OVERRIDES, args.batches, args.seed)
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

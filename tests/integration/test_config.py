@@ -152,6 +152,13 @@ def test_the_sudoku_preset_fits_a_whole_grid_in_its_responses():
     assert c.warmstart.target_band == [0.65, 0.75]
 
 
+def test_the_long_sudoku_preset_is_the_sudoku_preset_trained_longer():
+    """Same warm start (the same warmstart and task settings), 600 steps, its own MLflow experiment."""
+    short, long = make("experiment=paper_sudoku4"), make("experiment=paper_sudoku4_long")
+    assert long.trainer.max_steps == 600 and long.logger.experiment_name == "paper_sudoku4_long"
+    assert long.warmstart == short.warmstart and long.task == short.task and long.algorithm == short.algorithm
+
+
 def test_qarl_sets_the_aligned_forward_and_needs_a_quantized_rollout():
     cfg = make("corrector=qarl", "rollout=fp8")
     assert cfg.policy.aligned_quantization == "fp8"

@@ -17,7 +17,10 @@ prints a markdown section, one claim per heading, each with the measured numbers
 The full-precision baseline is the report's ``baseline`` (``sweep_report.py --baseline``, default
 fp32; ``llada_fp32`` for the diffusion family).
 
-Differences come with a standard error sqrt(s1^2/n1 + s2^2/n2) over seeds. Usage:
+Differences come with a standard error sqrt(s1^2/n1 + s2^2/n2) over seeds and, where both rows ran
+the same seeds (``report.json`` keeps every run's value), paired by seed: the mean of the per-seed
+differences ± their standard error. A seed fixes the validation prompts and the starting accuracy, so
+pairing removes what the seeds share, which dominates when the validation sets differ a lot. Usage:
 
     python tools/sweep_report.py ... --plot mismatch/ais_lambda --out docs/results/engine
     python tools/paper_claims.py docs/results/engine/report.json [--lambda-key mismatch/ais_lambda]
@@ -52,6 +55,29 @@ def diff_with_se(a: tuple[float, float, int], b: tuple[float, float, int]) -> tu
     (ma, sa, na), (mb, sb, nb) = a, b
     se = math.sqrt(sa**2 / na + sb**2 / nb) if na > 1 and nb > 1 else float("nan")
     return ma - mb, se
+
+
+def paired_diff(a: dict, b: dict, col: str) -> tuple[float, float, int]:
+    """Rows ``a`` - ``b`` paired by seed: (mean of the per-seed differences, its standard error, pairs).
+
+    Reads ``row["seeds"]`` and ``row[col]["values"]`` (in run order); seeds both rows have with finite
+    values are paired. (nan, nan, pairs) with fewer than 2 pairs, or when a row keeps no values."""
+
+    def by_seed(row: dict) -> dict[str, float]:
+        values = (row.get(col) or {}).get("values") or []
+        return {
+            seed: v for seed, v in zip(row.get("seeds", []), values) if v is not None and math.isfinite(v)
+        }
+
+    va, vb = by_seed(a), by_seed(b)
+    diffs = [va[seed] - vb[seed] for seed in va if seed in vb]
+    if len(diffs) < 2:
+        return float("nan"), float("nan"), len(diffs)
+    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
+
+
+def _paired(d: tuple[float, float, int]) -> str:
+    return "n/a" if not math.isfinite(d[0]) else f"{_fmt(d[0])} ± {_fmt(d[1], '.3f')} ({d[2]})"
 
 
 def quarter_means(history: dict) -> tuple[float, float]:
@@ -105,8 +131,9 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
 
     out += [f"### 1. Uncorrected low precision vs {baseline}", ""]
     out += [
-        f"| precision | {label} (none) | {baseline} | none - {baseline} | lost share of the {baseline} gain |",
-        "|---|---|---|---|---|",
+        f"| precision | {label} (none) | {baseline} | none - {baseline} | paired by seed (pairs) "
+        f"| lost share of the {baseline} gain |",
+        "|---|---|---|---|---|---|",
     ]
     base_stat = _stat(base, metric)
     for p in precisions:
@@ -117,7 +144,8 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         lost = -d / base_stat[0] + 0.0 if metric == "val_accuracy_gain" and base_stat[0] else float("nan")
         out.append(
             f"| {p} | {_fmt(none[0])} ± {_fmt(none[1], '.3f')} | {_fmt(base_stat[0])} ± {_fmt(base_stat[1], '.3f')} "
-            f"| {_fmt(d)} ± {_fmt(se, '.3f')} | {_fmt(lost, '.0%')} |"
+            f"| {_fmt(d)} ± {_fmt(se, '.3f')} | {_paired(paired_diff(rows[(p, 'none')], base, metric))} "
+            f"| {_fmt(lost, '.0%')} |"
         )
 
     out += ["", f"### 2. Gap recovered by each corrector: (x - none) / ({baseline} - none)", ""]
@@ -125,8 +153,8 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         "One row per corrector, best first. A gap within 2 standard errors of 0 is marked: its ratios are "
         "noise, not recovery.",
         "",
-        f"| precision | corrector | {label} | seeds | x - none | gap recovered |",
-        "|---|---|---|---|---|---|",
+        f"| precision | corrector | {label} | seeds | x - none | paired by seed (pairs) | gap recovered |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in precisions:
         if (p, "none") not in rows:
@@ -137,14 +165,18 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         here = [(c, _stat(row, metric)) for (pp, c), row in rows.items() if pp == p and c != "none"]
         for c, x in sorted(here, key=lambda t: (-t[1][0] if math.isfinite(t[1][0]) else math.inf, t[0])):
             d, se = diff_with_se(x, none_stat)
+            paired = _paired(paired_diff(rows[(p, c)], rows[(p, "none")], metric))
             recovered = (x[0] - none_stat[0]) / gap if gap and math.isfinite(x[0]) else float("nan")
             out.append(
                 f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | {c} | {_fmt(x[0])} ± "
-                f"{_fmt(x[1], '.3f')} | {x[2]} | {_fmt(d)} ± {_fmt(se, '.3f')} | {_fmt(recovered, '.2f')} |"
+                f"{_fmt(x[1], '.3f')} | {x[2]} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} | {_fmt(recovered, '.2f')} |"
             )
 
     out += ["", "### 3. AIS vs the best of none / TIS / MIS", ""]
-    out += ["| precision | AIS | best of none/TIS/MIS | AIS - best |", "|---|---|---|---|"]
+    out += [
+        "| precision | AIS | best of none/TIS/MIS | AIS - best | paired by seed (pairs) |",
+        "|---|---|---|---|---|",
+    ]
     for p in precisions:
         if (p, "ais") not in rows:
             continue
@@ -154,7 +186,10 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
             continue
         best_name, best = max(others, key=lambda t: t[1][0])
         d, se = diff_with_se(ais, best)
-        out.append(f"| {p} | {_fmt(ais[0])} | {best_name} {_fmt(best[0])} | {_fmt(d)} ± {_fmt(se, '.3f')} |")
+        paired = _paired(paired_diff(rows[(p, "ais")], rows[(p, best_name)], metric))
+        out.append(
+            f"| {p} | {_fmt(ais[0])} | {best_name} {_fmt(best[0])} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} |"
+        )
 
     out += ["", "### 4. Over training: first vs last quarter of the steps", ""]
     out += [

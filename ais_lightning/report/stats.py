@@ -68,6 +68,9 @@ class Stat:
     """Sample std (ddof=1); nan with fewer than 2 values."""
     n: int
     """Number of runs that contributed."""
+    values: list[float] = field(default_factory=list)
+    """Every run's value, in the row's run order (``Row.seeds``; nan where a run lacks it): what a
+    comparison paired by seed reads."""
 
 
 @dataclass
@@ -133,9 +136,9 @@ def _finite(values: list[float]) -> list[float]:
 def _stat(values: list[float]) -> Stat:
     vals = _finite(values)
     if not vals:
-        return Stat(float("nan"), float("nan"), 0)
+        return Stat(float("nan"), float("nan"), 0, list(values))
     std = statistics.stdev(vals) if len(vals) > 1 else float("nan")
-    return Stat(statistics.fmean(vals), std, len(vals))
+    return Stat(statistics.fmean(vals), std, len(vals), list(values))
 
 
 def run_values(run: RunRecord, names: MetricNames) -> dict[str, float]:

@@ -59,14 +59,14 @@ def test_claims_numbers(tmp_path, capsys):
     text = capsys.readouterr().out
     se = math.sqrt(2 * 0.02**2 / 2)  # = 0.02
     # 1: none - fp32 = -0.100 ± 0.020, half of the fp32 gain lost
-    assert f"| -0.100 ± {se:.3f} | 50% |" in text
+    assert f"| -0.100 ± {se:.3f} | n/a | 50% |" in text  # no per-run values: nothing to pair
     # 2: gap 0.1; tis (0.14-0.1)/0.1 = 0.4, mis 0.6, ais 0.9, one row each, best first
     gap = "| fp8 (gap +0.100 ± 0.020) |"  # 0.1 > 2 SE: not marked
-    assert f"{gap} ais | +0.190 ± 0.020 | 2 | +0.090 ± 0.020 | 0.90 |" in text
-    assert f"{gap} tis | +0.140 ± 0.020 | 2 | +0.040 ± 0.020 | 0.40 |" in text
+    assert f"{gap} ais | +0.190 ± 0.020 | 2 | +0.090 ± 0.020 | n/a | 0.90 |" in text
+    assert f"{gap} tis | +0.140 ± 0.020 | 2 | +0.040 ± 0.020 | n/a | 0.40 |" in text
     assert text.index(f"{gap} ais") < text.index(f"{gap} mis") < text.index(f"{gap} tis")
     # 3: AIS 0.19 vs best mis 0.16 -> +0.030
-    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 |" in text
+    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 | n/a |" in text
     # 4: quarters of 4 values = first and last value; lambda falls with entropy: corr -1
     assert "| fp8, none | 1.00e-03 -> 4.00e-03 | 2.000 -> 0.500 | 0.1000 -> 0.4000 | -1.00 |" in text
     # 5: fp8 runs average (500 + 500 + 500 + 600) / 4 = 525 -> 0.53x of fp32's 1000
@@ -83,7 +83,7 @@ def test_gap_within_noise_is_marked(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| fp8 (gap +0.030 ± 0.020 (gap within 2 SE)) | ais |" in text
     # 3: without a gap the uncorrected run can be the best of none / TIS / MIS: 0.19 - 0.17
-    assert "| fp8 | +0.190 | none +0.170 | +0.020 ± 0.020 |" in text
+    assert "| fp8 | +0.190 | none +0.170 | +0.020 ± 0.020 | n/a |" in text
 
 
 def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
@@ -159,3 +159,28 @@ def test_quarter_means(values, expected):
     got = _load().quarter_means({"mean": values})
     for g, e in zip(got, expected):
         assert (math.isnan(g) and math.isnan(e)) or g == pytest.approx(e)
+
+
+def _with_values(row: dict, seeds: list[str], values: list[float | None]) -> dict:
+    row = json.loads(json.dumps(row))
+    row["seeds"] = seeds
+    row["val_accuracy_gain"]["values"] = values
+    return row
+
+
+def test_differences_paired_by_seed(tmp_path, capsys):
+    """ais - none per seed: 0.05, 0.04, 0.08 -> mean 0.0567, s.d. sqrt(((1/150)^2 + (1/60)^2 + (7/300)^2) / 2)
+    = 0.02082, s.e. 0.02082 / sqrt(3) = 0.01202. Only seeds both rows ran, with values, are paired."""
+    tool = _load()
+    none = _with_values(REPORT["rows"][1], ["0", "1", "2"], [0.10, 0.20, 0.30])
+    ais = _with_values(REPORT["rows"][4], ["0", "1", "2"], [0.15, 0.24, 0.38])
+    d, se, n = tool.paired_diff(ais, none, "val_accuracy_gain")
+    assert (d, se, n) == (pytest.approx(0.17 / 3), pytest.approx(0.012019, abs=1e-6), 3)
+    unpaired = _with_values(REPORT["rows"][4], ["0", "1", "5"], [0.15, None, 0.38])
+    assert tool.paired_diff(unpaired, none, "val_accuracy_gain")[2] == 1  # seed 1 has no value, 5 no partner
+    assert math.isnan(tool.paired_diff(unpaired, none, "val_accuracy_gain")[0])
+    rows = [REPORT["rows"][0], none, *REPORT["rows"][2:4], ais]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert tool.main([str(path)]) == 0
+    assert "| +0.090 ± 0.020 | +0.057 ± 0.012 (3) | 0.90 |" in capsys.readouterr().out

@@ -185,6 +185,13 @@ def test_gap_recovered(sweep):
     assert by_cfg[("int8", "ais")]["gap_recovered"] == pytest.approx(0.625)
     assert by_cfg[("fp8", "none")]["final_val_accuracy"]["mean"] == pytest.approx(0.45)
     assert by_cfg[("fp8", "none")]["final_val_accuracy"]["std"] == pytest.approx(0.1 / math.sqrt(2))
+    fp8_none = by_cfg[
+        ("fp8", "none")
+    ]  # every run's value, in the order of its seeds (for paired comparisons)
+    assert sorted(fp8_none["final_val_accuracy"]["values"]) == pytest.approx(
+        sorted([0.45 - 0.05, 0.45 + 0.05])
+    )
+    assert len(fp8_none["seeds"]) == len(fp8_none["final_val_accuracy"]["values"]) == 2
     assert by_cfg[("fp32", "none")]["gap_recovered"] is None
 
 

@@ -44,6 +44,25 @@ class Components:
     trainer: Any
     logger: Any
 
+    def initial_policy(self, seed: int, warm: bool = True, progress_bar: bool = False) -> tuple[Any, Any]:
+        """The policy a run starts from, and its warm start (``WarmStartResult``; None when off or ``warm=False``).
+
+        With a warm start the initial weights are the warm start's (they are in its cache key): every RL seed
+        of a sweep then shares one warm start, built from ``warmstart.seed`` (else ``seed``). Raises
+        ``ais_lightning.warmstart.WarmStartError`` when the warm start misses its band.
+        """
+        enabled = self.warmstart.enabled
+        init_seed = self.warmstart.seed if enabled and self.warmstart.seed is not None else seed
+        policy = self.policy.build(init_seed)
+        if not (warm and enabled):
+            return policy, None
+        from ais_lightning.warmstart import warm_start
+
+        result = warm_start(
+            policy, policy.tokenizer, self.task, self.warmstart, seed=seed, progress_bar=progress_bar
+        )
+        return policy, result
+
     def grpo_module(
         self, policy: Any, seed: int, module_class: type | None = None, validation: bool = True
     ) -> Any:

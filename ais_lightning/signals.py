@@ -28,6 +28,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ais_lightning.correctors.distributed import all_reduce_sum, is_distributed
+
 
 def any_rank(flag: bool) -> bool:
     """``flag`` OR-ed over the ranks of the default process group (itself without one).
@@ -35,12 +37,11 @@ def any_rank(flag: bool) -> bool:
     Every rank must call it at the same point, as for any collective: one rank that stops alone would
     leave the others waiting in the next collective.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    vote = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-    return bool(vote.item())
+    nccl = is_distributed() and dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+    vote = torch.tensor(
+        [float(flag)], device=torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    )
+    return bool(all_reduce_sum(vote).item() > 0)
 
 
 class SigtermGuard(Callback):

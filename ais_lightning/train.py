@@ -69,25 +69,6 @@ def _read_checkpoint(path: str) -> dict[str, Any]:
         raise ValueError(f"ckpt_path={path} cannot be read as a checkpoint: {err}") from err
 
 
-def _warm_start(policy: Any, c: Any, cfg: DictConfig) -> Any:
-    """The SFT warm start (or the cached one): its ``WarmStartResult``, or None when it is off."""
-    from ais_lightning.warmstart import WarmStartError, warm_start
-
-    if not c.warmstart.enabled:
-        return None
-    try:
-        return warm_start(
-            policy,
-            policy.tokenizer,
-            c.task,
-            c.warmstart,
-            seed=cfg.seed,
-            progress_bar=c.trainer.enable_progress_bar,
-        )
-    except WarmStartError as err:  # a clear error naming the band and what to change, not a traceback
-        raise SystemExit(f"ais-train: the warm start failed: {err}") from err
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train with a composed config; returns the summary dict."""
     import lightning as L
@@ -111,6 +92,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         reopen_run,
     )
     from ais_lightning.trainer import checkpoint_callback, progress_bar, skipped_validation
+    from ais_lightning.warmstart import WarmStartError
 
     silence_known_noise()  # also in joblib workers, where main() does not run
     # --- cheap checks first: nothing heavy is built before the config is known to be sound.
@@ -125,11 +107,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    # With a warm start the initial weights are the warm start's (they are in its cache key): every RL seed
-    # of a sweep then shares one warm start (warmstart.seed, else the run's seed).
-    init_seed = c.warmstart.seed if c.warmstart.enabled and c.warmstart.seed is not None else cfg.seed
-    policy = c.policy.build(init_seed)
-    warm = _warm_start(policy, c, cfg) if ckpt_path is None else None
+    try:  # a resume starts from the checkpoint's weights: no warm start
+        policy, warm = c.initial_policy(
+            cfg.seed, warm=ckpt_path is None, progress_bar=c.trainer.enable_progress_bar
+        )
+    except WarmStartError as err:  # a clear error naming the band and what to change, not a traceback
+        raise SystemExit(f"ais-train: the warm start failed: {err}") from err
     warm_info = (
         warm.describe() if warm else ("off" if ckpt_path is None else f"off (resumed from {ckpt_path})")
     )

@@ -46,9 +46,8 @@ def _probe_class() -> type:
             super().__init__(*args, **kwargs)
             self.unit_grads: list[torch.Tensor] = []  # one [P] per group
             self.kl: list[float] = []
-            self.unit_mean_error = (
-                0.0  # max over batches of |mean of units - batch gradient| / |batch gradient|
-            )
+            # max over batches of |mean of the units - batch gradient| / |batch gradient|
+            self.unit_mean_error = 0.0
 
         def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
             fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
@@ -91,7 +90,6 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
     from ais_lightning.diagnostics.gradient_noise import gradient_noise_scale
     from ais_lightning.noise import silence_known_noise
     from ais_lightning.trainer import measuring_trainer
-    from ais_lightning.warmstart import warm_start
 
     silence_known_noise()
     cfg = compose_train_config([*overrides, f"seed={seed}", "output_dir=unused"])
@@ -101,11 +99,7 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    init_seed = c.warmstart.seed if c.warmstart.enabled and c.warmstart.seed is not None else cfg.seed
-    policy = c.policy.build(init_seed)
-    warm = None
-    if c.warmstart.enabled:
-        warm = warm_start(policy, policy.tokenizer, c.task, c.warmstart, seed=cfg.seed, progress_bar=False)
+    policy, warm = c.initial_policy(cfg.seed)  # ais-train's starting weights (its cached warm start)
     probe = c.grpo_module(policy, cfg.seed, module_class=_probe_class(), validation=False)
     data = c.prompt_data(batches, cfg.seed)
     started = time.perf_counter()

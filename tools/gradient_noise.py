@@ -14,7 +14,9 @@ that a batch's token-mean gradient is the plain mean of its groups'. From all gr
 
     B_noise = tr(Σ) / |G|²  (in groups),   φ = B_noise / prompts_per_step
 
-Prints the table and the override that sets it (``corrector.noise_to_signal=<φ>``); ``--json`` writes it.
+Prints the table and the override that sets it (``corrector.noise_to_signal=<φ>``), and the same φ averaged
+over steps by the trainer's AdamW (``averaged_noise_factor(β1)``, 1/19 at β1 = 0.9: the value
+``corrector=ais_averaged`` assumes for φ = 1); ``--json`` writes it.
 Every ``ais-train`` override is accepted; the default is the paper protocol's FP4 run:
 
     python tools/gradient_noise.py experiment=paper_small rollout=fp4 --batches 8
@@ -24,6 +26,7 @@ Every ``ais-train`` override is accepted; the default is the paper protocol's FP
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -33,7 +36,11 @@ from typing import Any
 
 import torch
 
+from ais_lightning.diagnostics.gradient_noise import averaged_noise_factor
+
 DEFAULT_OVERRIDES = ["experiment=paper_small", "rollout=fp4"]
+ADAM_BETA1 = inspect.signature(torch.optim.AdamW).parameters["betas"].default[0]
+"""β1 of the trainer's optimizer (``GRPOModule`` builds AdamW with torch's default betas)."""
 
 
 def _probe_class() -> type:
@@ -121,6 +128,9 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
         "signal_sq": noise.signal_sq,
         "noise_scale_groups": noise.noise_scale,
         "noise_to_signal": noise.noise_to_signal(groups_per_batch),
+        "adam_beta1": ADAM_BETA1,
+        "noise_to_signal_averaged": noise.noise_to_signal(groups_per_batch)
+        * averaged_noise_factor(ADAM_BETA1),
         "unit_mean_rel_error": probe.unit_mean_error,
         "seconds": time.perf_counter() - started,
     }
@@ -148,6 +158,7 @@ def format_result(r: dict[str, Any]) -> str:
         f"| \\|G\\|² | {r['signal_sq']:.4e} |",
         f"| B_noise (groups) | {r['noise_scale_groups']:.2f} |",
         f"| φ = B_noise / {r['groups_per_batch']} | **{phi:.3f}** |",
+        f"| φ averaged by AdamW's first moment (β1 = {r['adam_beta1']:g}) | {r['noise_to_signal_averaged']:.3f} |",
         f"| check: \\|mean of groups − batch gradient\\| / \\|batch gradient\\| | {r['unit_mean_rel_error']:.1e} |",
         "",
         _advice(r),

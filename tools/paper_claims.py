@@ -12,7 +12,8 @@ prints a markdown section, one claim per heading, each with the measured numbers
    of training, and the correlation of lambda with entropy;
 5. rollout throughput of each precision relative to fp32 inside training;
 6. "exploration early, bias later": each row's greedy val accuracy minus the uncorrected run's at
-   the same precision, early (the validation nearest to a quarter of training) and late (the end).
+   the same precision, early (the validation nearest to a quarter of training) and late (the end),
+   and its sampled training reward over the first and the last quarter of the steps.
 
 The full-precision baseline is the report's ``baseline`` (``sweep_report.py --baseline``, default
 fp32; ``llada_fp32`` for the diffusion family).
@@ -228,18 +229,23 @@ def early_vs_late(rows: dict, baseline: str) -> list[str]:
     uncorrected row at the same precision, at the validation nearest to a quarter of the training
     steps ("early"; never the one before training) and at the last validation ("late"); the baseline row is compared with
     each precision's uncorrected row the same way. An early advantage of ``none`` shows as negative
-    differences early; late damage as positive ones late."""
+    differences early; late damage as positive ones late. The sampled training reward is compared the
+    same way over the first and the last quarter of the steps (means of the seed-mean curves: the
+    reward the rollouts themselves earned, where exploration would show first)."""
     out = ["", "### 6. Exploration early, bias later: val accuracy minus the uncorrected run's", ""]
     out += [
-        "Early = the validation nearest to 1/4 of the steps, late = the last one (differences ± SE).",
+        "Early = the validation nearest to 1/4 of the steps, late = the last one (differences ± SE); "
+        "reward = the sampled training reward over the first / last quarter of the steps.",
         "",
-        "| precision | row | early step | early: x - none | late step | late: x - none |",
-        "|---|---|---|---|---|---|",
+        "| precision | row | early step | early: x - none | late step | late: x - none "
+        "| reward, first quarter: x - none | reward, last quarter: x - none |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in sorted({p for p, _ in rows if p != baseline}):
         if (p, "none") not in rows:
             continue
         none_h = rows[(p, "none")].get("histories", {}).get("val_accuracy", {})
+        none_reward = quarter_means(rows[(p, "none")].get("histories", {}).get("reward", {}))
         steps = none_h.get("step", [])
         if len(steps) < 2:
             continue
@@ -254,7 +260,11 @@ def early_vs_late(rows: dict, baseline: str) -> list[str]:
             for step in (early, late):
                 d, se = diff_with_se(history_at(h, step), history_at(none_h, step))
                 cells.append(f"{_fmt(d)} ± {_fmt(se, '.3f')}")
-            out.append(f"| {p} | {name} | {early:g} | {cells[0]} | {late:g} | {cells[1]} |")
+            reward = quarter_means(row.get("histories", {}).get("reward", {}))
+            cells += [_fmt(x - x_none) for x, x_none in zip(reward, none_reward)]
+            out.append(
+                f"| {p} | {name} | {early:g} | {cells[0]} | {late:g} | {cells[1]} | {cells[2]} | {cells[3]} |"
+            )
     return out
 
 

@@ -9,6 +9,11 @@ batch size at which the batch gradient's noise equals its signal. AIS v2's ``noi
 For GRPO the independent unit is a prompt's group of responses (its advantages are normalised within
 the group), and a unit's gradient is scaled so that the batch gradient is the plain mean of the units'
 (``tools/gradient_noise.py`` does both).
+
+The optimizer does not apply one batch's gradient: Adam's first moment is an exponential average of
+the step gradients. Over that average the independent noise of successive batches shrinks by
+``averaged_noise_factor(beta1)`` while a bias that persists from step to step (the rollout's mismatch)
+does not, so the noise-to-signal ratio of the update is ``φ · averaged_noise_factor(beta1)``.
 """
 
 from __future__ import annotations
@@ -56,3 +61,15 @@ def gradient_noise_scale(unit_grads: torch.Tensor) -> GradientNoise:
     trace = float((g - mean).pow(2).sum() / (units - 1))
     signal_sq = float(mean.pow(2).sum()) - trace / units
     return GradientNoise(trace=trace, signal_sq=signal_sq, units=units)
+
+
+def averaged_noise_factor(beta1: float) -> float:
+    """Variance of the stationary exponential average ``m_k = β1 m_{k-1} + (1 - β1) x_k`` of independent
+    ``x_k`` with unit variance: ``(1 - β1)² Σ_j β1^{2j} = (1 - β1) / (1 + β1)`` (1/19 for Adam's β1 = 0.9).
+
+    A constant added to every ``x_k`` passes through the average unchanged, so this is also the factor
+    by which averaging lowers a persistent bias's share of the error against independent noise.
+    """
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"beta1 must be in [0, 1), got {beta1!r}")
+    return (1.0 - beta1) / (1.0 + beta1)

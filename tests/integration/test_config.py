@@ -50,6 +50,20 @@ def test_every_corrector_option_builds(name):
     assert type(c.loss).__name__ == ("TBPOLoss" if name == "qarl" else "GRPOLoss")
 
 
+def test_ais_averaged_divides_phi_by_the_trainers_adam_averaging():
+    # the trainer's AdamW keeps torch's default betas; its first moment averages the noise by (1 - b1) / (1 + b1)
+    import inspect
+
+    import torch
+
+    from ais_lightning.diagnostics.gradient_noise import averaged_noise_factor
+
+    beta1 = inspect.signature(torch.optim.AdamW).parameters["betas"].default[0]
+    corrector = validate(make("corrector=ais_averaged")).corrector
+    assert corrector.params.noise_to_signal == pytest.approx(averaged_noise_factor(beta1), rel=1e-15)
+    assert corrector.params.noise_to_signal == pytest.approx(1 / 19)
+
+
 @pytest.mark.parametrize("name", [n for n in options("task") if n != "gsm8k"])
 def test_every_task_option_builds(name):
     task = validate(make(f"task={name}")).task

@@ -14,6 +14,14 @@ def _load():
     return load_tool("paper_claims")
 
 
+def _claims(tmp_path, capsys, report: dict) -> str:
+    """The markdown ``paper_claims`` prints for ``report`` (written as report.json)."""
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert _load().main([str(path)]) == 0
+    return capsys.readouterr().out
+
+
 def _row(p, c, gain, std, tps, kl=None, ent=None, lam=None):
     steps = [0, 10, 20, 30]
     hist = {}
@@ -52,11 +60,7 @@ REPORT = {
 
 
 def test_claims_numbers(tmp_path, capsys):
-    tool = _load()
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps(REPORT))
-    assert tool.main([str(path)]) == 0
-    text = capsys.readouterr().out
+    text = _claims(tmp_path, capsys, REPORT)
     se = math.sqrt(2 * 0.02**2 / 2)  # = 0.02
     # 1: none - fp32 = -0.100 ± 0.020, half of the fp32 gain lost
     assert f"| -0.100 ± {se:.3f} | n/a | 50% |" in text  # no per-run values: nothing to pair
@@ -74,13 +78,9 @@ def test_claims_numbers(tmp_path, capsys):
 
 
 def test_gap_within_noise_is_marked(tmp_path, capsys):
-    tool = _load()
     rows = [dict(r) for r in REPORT["rows"]]
     rows[1] = _row("fp8", "none", 0.17, 0.02, 500)  # gap 0.03 < 2 x 0.02
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps({"rows": rows}))
-    assert tool.main([str(path)]) == 0
-    text = capsys.readouterr().out
+    text = _claims(tmp_path, capsys, {"rows": rows})
     assert "| fp8 (gap +0.030 ± 0.020 (gap within 2 SE)) | ais |" in text
     # 3: without a gap the uncorrected run can be the best of none / TIS / MIS: 0.19 - 0.17
     assert "| fp8 | +0.190 | none +0.170 | +0.020 ± 0.020 | n/a |" in text
@@ -89,7 +89,6 @@ def test_gap_within_noise_is_marked(tmp_path, capsys):
 def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
     """Reports grouped by the options picked (``rollout``, ``corrector``) and holding a Sol-RL row with
     the same rollout and corrector as a GRPO row: the claims read the GRPO one."""
-    tool = _load()
 
     def keyed(row, algorithm="grpo"):
         group = row["group"]
@@ -104,10 +103,7 @@ def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
 
     rows = [keyed(r) for r in REPORT["rows"]]
     rows.append(keyed(_row("fp8", "none", 0.90, 0.02, 9000), algorithm="solrl"))  # would change every claim
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps({"rows": rows}))
-    assert tool.main([str(path)]) == 0
-    text = capsys.readouterr().out
+    text = _claims(tmp_path, capsys, {"rows": rows})
     assert "| fp8 (gap +0.100 ± 0.020) | ais | +0.190" in text and "| fp8 | 525 | 0.53x |" in text
 
 
@@ -126,7 +122,6 @@ def _with_val(row, means, stds, steps=(0, 25, 50, 75, 100)):
 
 def test_early_vs_late_and_a_named_baseline(tmp_path, capsys):
     """Claim 6 against hand values, on a report whose baseline is the diffusion family's llada_fp32."""
-    tool = _load()
 
     def renamed(row):
         p = row["group"]["rollout.precision"]
@@ -136,20 +131,41 @@ def test_early_vs_late_and_a_named_baseline(tmp_path, capsys):
     rows[0] = _with_val(rows[0], [0.5, 0.55, 0.6, 0.7, 0.8], [0.0, 0.03, 0.0, 0.0, 0.04])
     rows[1] = _with_val(rows[1], [0.5, 0.60, 0.6, 0.6, 0.7], [0.0, 0.04, 0.0, 0.0, 0.03])
     rows[2] = _with_val(rows[2], [0.5, 0.58, 0.6, 0.7, 0.75], [0.0, 0.0, 0.0, 0.0, 0.0])
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps({"rows": rows, "baseline": {"precision": "llada_fp32", "corrector": "none"}}))
-    assert tool.main([str(path)]) == 0
-    text = capsys.readouterr().out
+    text = _claims(
+        tmp_path, capsys, {"rows": rows, "baseline": {"precision": "llada_fp32", "corrector": "none"}}
+    )
     assert "### 1. Uncorrected low precision vs llada_fp32" in text
     # early = the validation nearest to 100 / 4 = 25; SE = sqrt(s1^2/2 + s2^2/2)
     se_early = math.sqrt(0.03**2 / 2 + 0.04**2 / 2)  # 0.0354
     se_late = math.sqrt(0.04**2 / 2 + 0.03**2 / 2)
     assert f"| llada_fp8 | llada_fp32 | 25 | -0.050 ± {se_early:.3f} | 100 | +0.100 ± {se_late:.3f} |" in text
+    # no reward curves in these rows: the reward cells say so
+    assert (
+        f"| llada_fp8 | llada_fp32 | 25 | -0.050 ± {se_early:.3f} | 100 | +0.100 ± {se_late:.3f} | n/a | n/a |"
+        in text
+    )
     se_tis = math.sqrt(0.04**2 / 2)
     assert (
         f"| llada_fp8 | tis | 25 | -0.020 ± {se_tis:.3f} | 100 | +0.050 ± {math.sqrt(0.03**2 / 2):.3f} |"
         in text
     )
+
+
+def test_early_vs_late_reward_quarters(tmp_path, capsys):
+    """Claim 6's reward cells: first / last quarter means of the seed-mean reward curves, minus none's."""
+    val = ([0.5, 0.6, 0.7, 0.8, 0.9], [0.0] * 5)
+    rows = [_with_val(json.loads(json.dumps(r)), *val) for r in REPORT["rows"][:3]]  # fp32, fp8 none, fp8 tis
+    rewards = (
+        [0.4, 0.6, 0.5, 0.5, 0.7, 0.9, 0.9, 0.9],
+        [0.5, 0.5, 0.4, 0.4, 0.6, 0.6, 0.7, 0.9],
+        [0.3, 0.3, 0.5, 0.5, 0.6, 0.6, 0.8, 0.8],
+    )
+    for row, reward in zip(rows, rewards):
+        row["histories"]["reward"] = {"step": list(range(8)), "mean": reward}
+    text = _claims(tmp_path, capsys, {"rows": rows})
+    # quarters of 8 steps are 2 steps: fp32 0.5 / 0.9, none 0.5 / 0.8, tis 0.3 / 0.8
+    assert "| fp8 | fp32 | 25 | +0.000 ± 0.000 | 100 | +0.000 ± 0.000 | +0.000 | +0.100 |" in text
+    assert "| fp8 | tis | 25 | +0.000 ± 0.000 | 100 | +0.000 ± 0.000 | -0.200 | +0.000 |" in text
 
 
 @pytest.mark.parametrize(
@@ -180,7 +196,4 @@ def test_differences_paired_by_seed(tmp_path, capsys):
     assert tool.paired_diff(unpaired, none, "val_accuracy_gain")[2] == 1  # seed 1 has no value, 5 no partner
     assert math.isnan(tool.paired_diff(unpaired, none, "val_accuracy_gain")[0])
     rows = [REPORT["rows"][0], none, *REPORT["rows"][2:4], ais]
-    path = tmp_path / "report.json"
-    path.write_text(json.dumps({"rows": rows}))
-    assert tool.main([str(path)]) == 0
-    assert "| +0.090 ± 0.020 | +0.057 ± 0.012 (3) | 0.90 |" in capsys.readouterr().out
+    assert "| +0.090 ± 0.020 | +0.057 ± 0.012 (3) | 0.90 |" in _claims(tmp_path, capsys, {"rows": rows})

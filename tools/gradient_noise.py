@@ -115,6 +115,7 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
         measuring_trainer(root, max_steps, c.trainer.precision).fit(probe, datamodule=data)
     noise = gradient_noise_scale(torch.stack(probe.unit_grads))  # [U, P]
     groups_per_batch = c.algorithm.prompts_per_step
+    phi = noise.noise_to_signal(groups_per_batch)
     return {
         "overrides": list(overrides),
         "seed": seed,
@@ -127,10 +128,9 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
         "trace_sigma": noise.trace,
         "signal_sq": noise.signal_sq,
         "noise_scale_groups": noise.noise_scale,
-        "noise_to_signal": noise.noise_to_signal(groups_per_batch),
+        "noise_to_signal": phi,
         "adam_beta1": ADAM_BETA1,
-        "noise_to_signal_averaged": noise.noise_to_signal(groups_per_batch)
-        * averaged_noise_factor(ADAM_BETA1),
+        "noise_to_signal_averaged": phi * averaged_noise_factor(ADAM_BETA1),
         "unit_mean_rel_error": probe.unit_mean_error,
         "seconds": time.perf_counter() - started,
     }

@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from ais_lightning.correctors import NoCorrection
 
-GROUPS = ("policy", "rollout", "loss", "corrector", "task", "algorithm", "warmstart", "trainer", "logger")
-"""The config groups of ``ais-train``, in the order they are built."""
+GROUPS = ("policy", "rollout", "loss", "algorithm", "corrector", "task", "warmstart", "trainer", "logger")
+"""The config groups of ``ais-train``, in the order they are built (``algorithm`` before ``corrector``, which
+reads its beta1: a bad ``algorithm.betas`` is then reported under its own name)."""
 
 
 @dataclass

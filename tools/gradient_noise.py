@@ -1,8 +1,9 @@
 """Measure the GRPO gradient's noise-to-signal ratio φ, the one constant of AIS v2 the corrector cannot see.
 
-AIS v2 mixes the uncorrected and the importance-weighted gradient with λ = Rβ² / (Rβ² + φχ²_A), where
+AIS v2 mixes the uncorrected and the importance-weighted gradient with λ = Rβ² / (Rβ² + aφχ²_A), where
 ``φ = Var(Ĝ)/|g|²`` is the noise-to-signal ratio of the batch gradient (``corrector.noise_to_signal``,
-default 1: the batch at its critical size; docs/ais.md section 6). This tool measures it for a
+default 1: the batch at its critical size; docs/ais.md section 6) and ``a = (1 − β1)/(1 + β1)`` the
+averaging of AdamW's first moment (``algorithm.betas[0]``, which ``corrector.momentum`` reads). This tool measures it for a
 configuration: the real ``ais-train`` pipeline (``ais_lightning.build.validate`` of the composed config,
 its warm start, ``GRPOModule`` under a one-process Lightning Trainer) draws ``--batches`` rollout
 batches at the *same* weights (no optimizer step), and for every prompt group computes the gradient of
@@ -14,9 +15,9 @@ that a batch's token-mean gradient is the plain mean of its groups'. From all gr
 
     B_noise = tr(Σ) / |G|²  (in groups),   φ = B_noise / prompts_per_step
 
-Prints the table and the override that sets it (``corrector.noise_to_signal=<φ>``), and the same φ averaged
-over steps by the trainer's AdamW (``averaged_noise_factor(β1)``, 1/19 at β1 = 0.9: the value
-``corrector=ais_averaged`` assumes for φ = 1); ``--json`` writes it.
+Prints the table, the same φ averaged over steps by the trainer's AdamW (``aφ``: what AIS v2 weighs
+the variance with; 1/19 for φ = 1 at β1 = 0.9) and the override that sets the measured φ
+(``corrector.noise_to_signal=<φ>``); ``--json`` writes it.
 Every ``ais-train`` override is accepted; the default is the paper protocol's FP4 run:
 
     python tools/gradient_noise.py experiment=paper_small rollout=fp4 --batches 8
@@ -26,7 +27,6 @@ Every ``ais-train`` override is accepted; the default is the paper protocol's FP
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -39,8 +39,6 @@ import torch
 from ais_lightning.diagnostics.gradient_noise import averaged_noise_factor
 
 DEFAULT_OVERRIDES = ["experiment=paper_small", "rollout=fp4"]
-ADAM_BETA1 = inspect.signature(torch.optim.AdamW).parameters["betas"].default[0]
-"""β1 of the trainer's optimizer (``GRPOModule`` builds AdamW with torch's default betas)."""
 
 
 def _probe_class() -> type:
@@ -129,8 +127,8 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
         "signal_sq": noise.signal_sq,
         "noise_scale_groups": noise.noise_scale,
         "noise_to_signal": phi,
-        "adam_beta1": ADAM_BETA1,
-        "noise_to_signal_averaged": phi * averaged_noise_factor(ADAM_BETA1),
+        "adam_beta1": c.algorithm.betas[0],
+        "noise_to_signal_averaged": phi * averaged_noise_factor(c.algorithm.betas[0]),
         "unit_mean_rel_error": probe.unit_mean_error,
         "seconds": time.perf_counter() - started,
     }

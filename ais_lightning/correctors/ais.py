@@ -22,10 +22,15 @@ w_t = exp(delta_t), advantage A_t and trainer entropy H_t:
 - variance amplification  V = 1 + chi2_A, chi2_A = sum (b_t - 1)^2 A_t^2 / sum A_t^2
   (sum (b_t - 1)^2 / N without advantages or when all are 0): the variance of the weighted
   gradient in units of the uncorrected one's, counting only the correction's own noise.
-- MSE(lambda) / |g|^2 = (1 - lambda)^2 R beta^2 + phi (1 + lambda^2 chi2_A), phi =
-  ``noise_to_signal`` = Var(batch gradient) / |g|^2, minimised by
-  lambda* = R beta^2 / (R beta^2 + phi chi2_A)   (0 when both terms are 0),
-  clamped to [lambda_min, lambda_max], optionally smoothed by an EMA over steps.
+- the optimizer's averaging: Adam's first moment m_k = b1 m_{k-1} + (1 - b1) g_k (b1 = ``momentum``)
+  averages the noise of independent batches by a = (1 - b1) / (1 + b1) (1/19 at b1 = 0.9) and keeps
+  the rollout's bias, which is the same in every batch.
+- MSE(lambda) / |g|^2 of the update the optimizer applies
+  = (1 - lambda)^2 R beta^2 + a phi (1 + lambda^2 chi2_A), phi = ``noise_to_signal`` =
+  Var(batch gradient) / |g|^2, minimised by
+  lambda* = R beta^2 / (R beta^2 + a phi chi2_A)   (0 when both terms are 0),
+  clamped to [lambda_min, lambda_max], optionally smoothed by an EMA over steps. ``momentum=0``
+  scores one batch's gradient alone (a = 1; ``corrector=ais_one_step``).
 
 Everything is computed from sums over valid tokens and responses (``ais_sufficient_statistics``),
 so summing them across ranks gives exactly the lambda of the global batch.
@@ -113,6 +118,18 @@ def check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def averaged_noise_factor(beta1: float) -> float:
+    """Variance of the stationary exponential average ``m_k = β1 m_{k-1} + (1 - β1) x_k`` of independent
+    ``x_k`` with unit variance: ``(1 - β1)² Σ_j β1^{2j} = (1 - β1) / (1 + β1)`` (1/19 for Adam's β1 = 0.9).
+
+    A constant added to every ``x_k`` passes through the average unchanged, so this is also the factor
+    by which averaging lowers the share of independent noise in the error against a persistent bias.
+    """
+    if isinstance(beta1, bool) or not isinstance(beta1, (int, float)) or not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"momentum (beta1) must be in [0, 1), got {beta1!r}")
+    return (1.0 - beta1) / (1.0 + beta1)
 
 
 def safe_ratio(num: torch.Tensor, den: torch.Tensor, default: torch.Tensor | float) -> torch.Tensor:
@@ -249,6 +266,7 @@ class AISParams:
     base: str
     c_low: float | None
     noise_to_signal: float
+    momentum: float
     use_entropy: bool
     use_reliability: bool
     lambda_min: float
@@ -272,11 +290,18 @@ class AISParams:
         ):
             raise ValueError(f"noise_to_signal must be a finite number >= 0, got {phi!r}")
         set_(self, "noise_to_signal", float(phi))
+        averaged_noise_factor(self.momentum)  # validates: in [0, 1)
+        set_(self, "momentum", float(self.momentum))
         check_flag(self.use_entropy, "use_entropy")
         check_flag(self.use_reliability, "use_reliability")
         lo, hi = check_lambda_bounds(self.lambda_min, self.lambda_max)
         set_(self, "lambda_min", lo)
         set_(self, "lambda_max", hi)
+
+    @property
+    def update_noise_to_signal(self) -> float:
+        """phi of the update the optimizer applies: ``noise_to_signal * (1 - momentum) / (1 + momentum)``."""
+        return self.noise_to_signal * averaged_noise_factor(self.momentum)
 
     @property
     def lower(self) -> float | None:
@@ -364,8 +389,8 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
     ``lambda_raw`` (the MSE minimiser in [0, 1]), ``severity`` beta (as used: 2 D without entropy or
     with ``use_entropy=False``), ``reliability`` R (as measured, also when switched off),
     ``variance_amplification`` V = 1 + chi2_A, ``bias_sq`` = R beta^2 (beta^2 when R is switched
-    off), ``variance_excess`` = phi chi2_A, ``kl_k3`` D, ``kl_k3_se`` se(D) and ``spread`` G (as
-    measured, 1 without entropy). Nothing valid: lambda = lambda_min and every value finite.
+    off), ``variance_excess`` = a phi chi2_A (a = (1 - momentum) / (1 + momentum)), ``kl_k3`` D,
+    ``kl_k3_se`` se(D) and ``spread`` G (as measured, 1 without entropy). Nothing valid: lambda = lambda_min and every value finite.
     """
     if stats.shape != (NUM_AIS_STATISTICS,):
         raise ValueError(
@@ -400,7 +425,7 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
     bias_sq = severity.square() * (reliability if params.use_reliability else one)
     use_adv = (n_adv > 0) & (sum_a2 > 0)
     chi2 = torch.where(use_adv, safe_ratio(sum_dev_a2, sum_a2, zero), safe_ratio(sum_dev, n, zero))
-    variance_excess = params.noise_to_signal * chi2
+    variance_excess = params.update_noise_to_signal * chi2
     lambda_raw = safe_ratio(bias_sq, bias_sq + variance_excess, zero).clamp(0.0, 1.0)
     return {
         "lambda": lambda_raw.clamp(params.lambda_min, params.lambda_max),
@@ -417,13 +442,14 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
 
 
 class AIS(MixingCorrector):
-    """Adaptive IS v2: weight (1 - lambda) + lambda b_t, lambda = R beta^2 / (R beta^2 + phi chi2_A).
+    """Adaptive IS v2: weight (1 - lambda) + lambda b_t, lambda = R beta^2 / (R beta^2 + a phi chi2_A).
 
-    One lambda per batch minimises the estimated mean squared error of the mixed gradient: the
-    squared bias of the uncorrected gradient (divergence severity beta, measured against the
-    policy's own spread, times the weight reliability R) against the extra variance of the weighted
-    one (variance amplification V = 1 + chi2_A). Formulas in the module docstring, derivation and
-    assumptions in ``docs/ais.md``. If ``torch.distributed`` is initialized the sufficient statistics
+    One lambda per batch minimises the estimated mean squared error of the update the optimizer
+    applies: the squared bias of the uncorrected gradient (divergence severity beta, measured against
+    the policy's own spread, times the weight reliability R), which persists from step to step,
+    against the extra variance of the weighted one (variance amplification V = 1 + chi2_A), which
+    the optimizer's first moment averages over steps (a = (1 - momentum) / (1 + momentum)). Formulas
+    in the module docstring, derivation and assumptions in ``docs/ais.md``. If ``torch.distributed`` is initialized the sufficient statistics
     are all-reduced (SUM) first, so every rank uses the lambda of the global batch; every rank must
     then call the corrector. Pass ``advantages`` and ``entropy`` (the trainer's, in nats): without
     entropy the spread is taken as 1 (the least severe reading), without advantages the variance
@@ -440,6 +466,12 @@ class AIS(MixingCorrector):
         noise_to_signal: phi >= 0, the batch gradient's variance over its squared norm,
             tr(Sigma) / (B |g|^2) = B_noise / B (McCandlish et al. 2018, arXiv 1812.06162). 1 = the
             batch is at its critical size; 0 ignores the variance (lambda = 1 whenever beta > 0).
+        momentum: beta1 in [0, 1) of the optimizer's first moment (Adam/AdamW: 0.9, torch's default;
+            ``ais-train`` passes ``algorithm.betas[0]``). Its average of the step gradients keeps the
+            rollout's bias and divides the noise of independent batches by (1 + beta1) / (1 - beta1),
+            so the variance term is scaled by (1 - beta1) / (1 + beta1). 0 scores one batch's gradient
+            alone (plain SGD, or ``corrector=ais_one_step``). Assumes one optimizer step per rollout
+            batch (``ppo_epochs = mini_batches = 1``): reusing a batch correlates the averaged noise.
         use_entropy: measure the severity against the policy's spread G (False: G = 1).
         use_reliability: multiply beta^2 by the reliability R (False: R = 1).
         lambda_min: lower clamp of lambda, in [0, 1].
@@ -460,6 +492,7 @@ class AIS(MixingCorrector):
         base: str = "tis",
         c_low: float | None = None,
         noise_to_signal: float = 1.0,
+        momentum: float = 0.9,
         use_entropy: bool = True,
         use_reliability: bool = True,
         lambda_min: float = 0.0,
@@ -473,6 +506,7 @@ class AIS(MixingCorrector):
             base=base,
             c_low=c_low,
             noise_to_signal=noise_to_signal,
+            momentum=momentum,
             use_entropy=use_entropy,
             use_reliability=use_reliability,
             lambda_min=lambda_min,

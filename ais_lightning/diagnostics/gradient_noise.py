@@ -12,8 +12,9 @@ the group), and a unit's gradient is scaled so that the batch gradient is the pl
 
 The optimizer does not apply one batch's gradient: Adam's first moment is an exponential average of
 the step gradients. Over that average the independent noise of successive batches shrinks by
-``averaged_noise_factor(beta1)`` while a bias that persists from step to step (the rollout's mismatch)
-does not, so the noise-to-signal ratio of the update is ``φ · averaged_noise_factor(beta1)``.
+``averaged_noise_factor(beta1)`` (``ais_lightning.correctors.ais``, re-exported here) while a bias that
+persists from step to step (the rollout's mismatch) does not, so the noise-to-signal ratio of the update
+is ``φ · averaged_noise_factor(beta1)``: what AIS v2 uses with ``momentum = beta1``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ais_lightning.correctors.ais import averaged_noise_factor
+
+__all__ = ["GradientNoise", "averaged_noise_factor", "gradient_noise_scale"]
 
 
 @dataclass(frozen=True)
@@ -61,15 +66,3 @@ def gradient_noise_scale(unit_grads: torch.Tensor) -> GradientNoise:
     trace = float((g - mean).pow(2).sum() / (units - 1))
     signal_sq = float(mean.pow(2).sum()) - trace / units
     return GradientNoise(trace=trace, signal_sq=signal_sq, units=units)
-
-
-def averaged_noise_factor(beta1: float) -> float:
-    """Variance of the stationary exponential average ``m_k = β1 m_{k-1} + (1 - β1) x_k`` of independent
-    ``x_k`` with unit variance: ``(1 - β1)² Σ_j β1^{2j} = (1 - β1) / (1 + β1)`` (1/19 for Adam's β1 = 0.9).
-
-    A constant added to every ``x_k`` passes through the average unchanged, so this is also the factor
-    by which averaging lowers a persistent bias's share of the error against independent noise.
-    """
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"beta1 must be in [0, 1), got {beta1!r}")
-    return (1.0 - beta1) / (1.0 + beta1)

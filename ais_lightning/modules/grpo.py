@@ -72,6 +72,8 @@ class GRPOSettings:
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay (>= 0)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2), each in [0, 1); AIS v2 reads beta1 (``corrector.momentum``) from here."""
     grad_clip: float = 1.0
     """Max gradient norm (0 = off)."""
     val_every_n_steps: int = 50
@@ -103,6 +105,15 @@ class GRPOSettings:
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if (
+            len(self.betas) != 2
+            or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in self.betas)
+            or not all(0.0 <= b < 1.0 for b in self.betas)
+        ):
+            raise ValueError(
+                f"betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {self.betas!r}"
+            )
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}")
         rows = self.prompts_per_step * self.group_size
@@ -232,7 +243,9 @@ class GRPOModule(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=self.settings.lr, betas=self.settings.betas, weight_decay=self.settings.weight_decay
+        )
 
     def on_train_start(self) -> None:
         """Build the engines once the weights (possibly restored from a checkpoint) are in place."""

@@ -13,7 +13,8 @@ from ais_lightning.correctors import AIS, AISv1
 
 SCENARIOS = ("uneven", "one_rank_empty")
 CORRECTORS = {
-    "ais": (AIS, dict(c=1.5, noise_to_signal=0.5, ema_decay=0.5)),
+    "ais": (AIS, dict(c=1.5, noise_to_signal=0.5, momentum=0.5, ema_decay=0.5)),
+    "ais_default": (AIS, {}),
     "ais_mis": (AIS, dict(base="mis", c=1.5, c_low=0.6)),
     "ais_v1": (AISv1, dict(c=1.5, kappa=0.5, alpha=1.5, beta=0.7, ema_decay=0.5)),
 }

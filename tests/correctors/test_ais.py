@@ -13,8 +13,10 @@ token entropy H = ln 2 everywhere, advantages A = +1 (response 0) and -1 (respon
     G   = mean(1 - exp(-H)) = 1 - 1/2 = 0.5
     beta = 2 D / G = 1.8068528,   bias_sq = R beta^2 = 0.3818802 * 3.2647172 = 1.2467308
     chi2_A = sum (b - 1)^2 A^2 / sum A^2 = (0 + 1 + 0.25 + 0) / 4 = 0.3125  (A^2 = 1)
-    V = 1.3125,   variance_excess = phi chi2_A = 0.3125
-    lambda = 1.2467308 / (1.2467308 + 0.3125) = 0.7995807
+    V = 1.3125,   AdamW's averaging a = (1 - 0.9) / (1 + 0.9) = 1/19 (the default momentum 0.9)
+    variance_excess = a phi chi2_A = 0.3125 / 19 = 0.0164474
+    lambda = 1.2467308 / (1.2467308 + 0.0164474) = 0.9869792
+    (one step, momentum 0: variance_excess = 0.3125, lambda = 1.2467308 / 1.5592308 = 0.7995807)
     weights = (1 - lambda) + lambda b = [1, 1 + lambda] | [1 - lambda / 2, 1]
 """
 
@@ -53,7 +55,9 @@ R_B = 1.0 - SE2_B / D_B**2
 BETA_B = 2.0 * D_B / 0.5
 BIAS_B = R_B * BETA_B**2
 CHI2_B = 0.3125
-LAMBDA_B = BIAS_B / (BIAS_B + CHI2_B)
+ADAM = 1.0 / 19.0  # (1 - beta1) / (1 + beta1) at AdamW's beta1 = 0.9
+LAMBDA_B = BIAS_B / (BIAS_B + ADAM * CHI2_B)
+LAMBDA_B_ONE_STEP = BIAS_B / (BIAS_B + CHI2_B)
 
 
 @pytest.fixture
@@ -70,7 +74,8 @@ def test_hand_values_of_the_numbers_above():
     assert SE2_B == pytest.approx(0.1261241, abs=1e-7)
     assert R_B == pytest.approx(0.3818802, abs=1e-6)
     assert BIAS_B == pytest.approx(1.2467308, abs=1e-6)
-    assert LAMBDA_B == pytest.approx(0.7995807, abs=1e-6)
+    assert LAMBDA_B == pytest.approx(0.9869792, abs=1e-6)
+    assert LAMBDA_B_ONE_STEP == pytest.approx(0.7995807, abs=1e-6)
 
 
 def test_every_component_and_lambda_on_example_b(example_b):
@@ -84,7 +89,7 @@ def test_every_component_and_lambda_on_example_b(example_b):
     assert s["ais/severity"] == pytest.approx(BETA_B, rel=1e-6)
     assert s["ais/bias_sq"] == pytest.approx(BIAS_B, rel=1e-6)
     assert s["ais/variance_amplification"] == pytest.approx(1.0 + CHI2_B, rel=1e-6)
-    assert s["ais/variance_excess"] == pytest.approx(CHI2_B, rel=1e-6)
+    assert s["ais/variance_excess"] == pytest.approx(CHI2_B / 19, rel=1e-6)
     assert s["ais/lambda_raw"] == pytest.approx(LAMBDA_B, rel=1e-6)
     assert s["ais/lambda"] == pytest.approx(LAMBDA_B, rel=1e-6)
     assert set(s) == {f"ais/{k}" for k in AIS_COMPONENTS} | {
@@ -101,11 +106,17 @@ def test_every_component_and_lambda_on_example_b(example_b):
     assert s["corrector/weight_mean"] == pytest.approx(1.0 + lam / 8, abs=1e-6)
 
 
-def test_lambda_is_the_minimiser_of_the_estimated_mse(example_b):
-    # MSE(l) = (1 - l)^2 R beta^2 + phi (1 + l^2 chi2_A) on a fine grid: the argmin is lambda.
+@pytest.mark.parametrize("beta1", [0.0, 0.5, 0.9])
+def test_lambda_is_the_minimiser_of_the_estimated_mse(example_b, beta1):
+    # The update m = beta1 m' + (1 - beta1) G_lambda of independent batches: the bias (1 - l) beta passes
+    # whole, the noise variance phi (1 + l^2 chi2_A) shrinks by (1 - beta1)^2 sum_j beta1^2j. Summed over
+    # 2000 terms (not the closed form), its MSE on a fine grid has its argmin at the corrector's lambda.
+    shrink = (1 - beta1) ** 2 * sum(beta1 ** (2 * j) for j in range(2000))
     grid = torch.linspace(0, 1, 100001, dtype=torch.float64)
-    mse = (1 - grid) ** 2 * BIAS_B + (1 + grid**2 * CHI2_B)
-    assert float(grid[mse.argmin()]) == pytest.approx(LAMBDA_B, abs=1e-5)
+    mse = (1 - grid) ** 2 * BIAS_B + shrink * (1 + grid**2 * CHI2_B)
+    train, rollout, mask, adv, ent = example_b
+    lam = AIS(momentum=beta1)(train, rollout, mask, advantages=adv, entropy=ent).stats["ais/lambda"]
+    assert float(grid[mse.argmin()]) == pytest.approx(lam, abs=1e-5)
 
 
 def test_without_entropy_the_spread_is_one(example_b):
@@ -116,7 +127,7 @@ def test_without_entropy_the_spread_is_one(example_b):
     assert out.stats["ais/severity"] == pytest.approx(2 * D_B, rel=1e-6)
     bias = R_B * (2 * D_B) ** 2
     assert bias == pytest.approx(0.3116827, abs=1e-6)
-    assert out.stats["ais/lambda"] == pytest.approx(bias / (bias + CHI2_B), rel=1e-6)
+    assert out.stats["ais/lambda"] == pytest.approx(bias / (bias + ADAM * CHI2_B), rel=1e-6)
     # use_entropy=False ignores a given entropy the same way, but still reports the measured G.
     off = AIS(use_entropy=False)(*example_b[:3], advantages=adv, entropy=example_b[4])
     assert off.stats["ais/lambda"] == pytest.approx(out.stats["ais/lambda"], rel=1e-12)
@@ -128,7 +139,7 @@ def test_advantages_weight_the_variance(example_b):
     train, rollout, mask, _, ent = example_b
     out = AIS()(train, rollout, mask, advantages=torch.tensor([2.0, 1.0]), entropy=ent)
     assert out.stats["ais/variance_amplification"] == pytest.approx(1.425, rel=1e-6)
-    assert out.stats["ais/lambda"] == pytest.approx(BIAS_B / (BIAS_B + 0.425), rel=1e-6)
+    assert out.stats["ais/lambda"] == pytest.approx(BIAS_B / (BIAS_B + ADAM * 0.425), rel=1e-6)
     per_token = AIS()(train, rollout, mask, advantages=torch.tensor([[2.0] * 3, [1.0] * 3]), entropy=ent)
     assert per_token.stats == out.stats
 
@@ -138,18 +149,21 @@ def test_zero_or_missing_advantages_use_the_unweighted_chi2(example_b):
     train, rollout, mask, _, ent = example_b
     for adv in (None, torch.zeros(2)):
         out = AIS()(train, rollout, mask, advantages=adv, entropy=ent)
-        assert out.stats["ais/variance_excess"] == pytest.approx(CHI2_B, rel=1e-6)
+        assert out.stats["ais/variance_excess"] == pytest.approx(ADAM * CHI2_B, rel=1e-6)
         assert out.stats["ais/lambda"] == pytest.approx(LAMBDA_B, rel=1e-6)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"use_reliability": False}, BETA_B**2 / (BETA_B**2 + CHI2_B)),
-        ({"noise_to_signal": 4.0}, BIAS_B / (BIAS_B + 4.0 * CHI2_B)),
+        ({"use_reliability": False}, BETA_B**2 / (BETA_B**2 + ADAM * CHI2_B)),
+        ({"noise_to_signal": 4.0}, BIAS_B / (BIAS_B + 4.0 * ADAM * CHI2_B)),
         ({"noise_to_signal": 0.0}, 1.0),  # variance ignored: correct fully whenever beta > 0
+        ({"momentum": 0.0}, LAMBDA_B_ONE_STEP),  # one batch's gradient: no averaging
+        ({"momentum": 0.5}, BIAS_B / (BIAS_B + CHI2_B / 3.0)),  # (1 - 0.5) / (1 + 0.5) = 1/3
+        ({"momentum": 0.0, "noise_to_signal": 4.0}, BIAS_B / (BIAS_B + 4.0 * CHI2_B)),
         ({"lambda_max": 0.5}, 0.5),
-        ({"lambda_min": 0.9}, 0.9),
+        ({"lambda_min": 0.99}, 0.99),
     ],
 )
 def test_options(example_b, kwargs, expected):
@@ -165,7 +179,8 @@ def test_base_mis(make_logprobs):
     # k3: [0, 0.25 - 1 + ln 4] | [3 - ln 4, 0] = [0, 0.6362944] | [1.6137056, 0];  D = 2.25 / 4 = 0.5625
     # se^2 = 2 * ((0.6362944 - 1.125)^2 + (1.6137056 - 1.125)^2) / 16 = 2 * 2 * 0.4887056^2 / 16 = 0.0597082
     # R = 1 - 0.0597082 / 0.3164063 = 0.8112924; beta = 2 D = 1.125; bias_sq = R * 1.265625 = 1.0267920
-    # chi2 = mean (b - 1)^2 = (0 + 1 + 1 + 0) / 4 = 0.5; lambda = 1.0267920 / 1.5267920 = 0.6725158
+    # chi2 = mean (b - 1)^2 = (0 + 1 + 1 + 0) / 4 = 0.5, variance_excess = 0.5 / 19 = 0.0263158
+    # lambda = 1.0267920 / 1.0531078 = 0.9750112  (one step: 1.0267920 / 1.5267920 = 0.6725158)
     train, rollout, mask = make_logprobs([[1.0, 0.25], [4.0, 1.0]], [[1, 1], [1, 1]])
     out = AIS(base="mis")(train, rollout, mask)
     k_a, k_b = 0.25 - 1 + math.log(4.0), 3 - math.log(4.0)
@@ -173,9 +188,9 @@ def test_base_mis(make_logprobs):
     assert d == pytest.approx(0.5625, abs=1e-12)  # ln 4 cancels
     r = 1 - 2 * ((k_a - 2 * d) ** 2 + (k_b - 2 * d) ** 2) / 16 / d**2
     assert r == pytest.approx(0.8112924, abs=1e-6)
-    lam = r * (2 * d) ** 2 / (r * (2 * d) ** 2 + 0.5)
-    assert lam == pytest.approx(0.6725158, abs=1e-6)
-    assert out.stats["ais/variance_excess"] == pytest.approx(0.5, rel=1e-6)
+    lam = r * (2 * d) ** 2 / (r * (2 * d) ** 2 + 0.5 / 19)
+    assert lam == pytest.approx(0.9750112, abs=1e-6)
+    assert out.stats["ais/variance_excess"] == pytest.approx(0.5 / 19, rel=1e-6)
     assert out.stats["ais/lambda"] == pytest.approx(lam, rel=1e-6)
     # Rejected tokens keep weight 1 - lambda and stay in the mask (and in the loss's denominator).
     torch.testing.assert_close(out.weights, torch.tensor([[1.0, 1 - lam], [1 - lam, 1.0]]), atol=1e-6, rtol=0)
@@ -234,21 +249,24 @@ def test_extreme_mismatch_gives_lambda_near_one(log_ratio_value):
     assert out.stats["ais/lambda"] > 0.999
 
 
-def test_lambda_grows_as_the_policy_concentrates():
+@pytest.mark.parametrize(("momentum", "first_below", "last_above"), [(0.0, 0.02, 0.8), (0.9, 0.15, 0.98)])
+def test_lambda_grows_as_the_policy_concentrates(momentum, first_below, last_above):
     # The same small mismatch (log-ratios ~ N(0, 0.1^2), 16 responses of 8 tokens) at falling
-    # entropy: G = 1 - exp(-H) shrinks, beta = 2 D / G grows, and lambda climbs from ~0 to near 1
-    # ("exploration early, bias later").
+    # entropy: G = 1 - exp(-H) shrinks, beta = 2 D / G grows, and lambda climbs from near 0 to near 1
+    # ("exploration early, bias later"). In odds, lambda / (1 - lambda) = R beta^2 / (a phi chi2_A):
+    # the averaged update (a = 1/19) multiplies the one-step odds by 19 (0.0065 -> 0.11 at H = 3).
     g = torch.Generator().manual_seed(0)
     rollout = -torch.rand(16, 8, generator=g) - 0.1
     train = rollout + 0.1 * torch.randn(16, 8, generator=g)
     mask = torch.ones(16, 8, dtype=torch.bool)
     adv = torch.randn(16, generator=g)
     lams = [
-        AIS()(train, rollout, mask, advantages=adv, entropy=torch.full(mask.shape, h)).stats["ais/lambda"]
+        AIS(momentum=momentum)(train, rollout, mask, advantages=adv, entropy=torch.full(mask.shape, h))
         for h in (3.0, 1.0, 0.3, 0.1, 0.03)
     ]
+    lams = [out.stats["ais/lambda"] for out in lams]
     assert lams == sorted(lams)
-    assert lams[0] < 0.02 and lams[-1] > 0.8
+    assert lams[0] < first_below and lams[-1] > last_above
 
 
 @pytest.mark.parametrize("shape", [(0, 4), (3, 0), (2, 3)])
@@ -345,6 +363,9 @@ def test_severity_recovers_the_logit_noise_variance():
         ({"c_low": -0.1}, "c_low"),
         ({"noise_to_signal": -1.0}, "noise_to_signal"),
         ({"noise_to_signal": float("inf")}, "noise_to_signal"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"momentum": True}, "momentum"),
         ({"use_entropy": 1}, "use_entropy"),
         ({"use_reliability": "yes"}, "use_reliability"),
         ({"lambda_min": 0.6, "lambda_max": 0.4}, "lambda_min"),
@@ -374,4 +395,4 @@ def test_defaults_live_only_in_the_signature():
 def test_registry_and_repr():
     assert type(build_corrector("ais")) is AIS
     assert type(build_corrector("ais_v1", kappa=0.1)) is AISv1
-    assert "noise_to_signal=1.0" in repr(AIS()) and "ema_decay=0.9" in repr(AIS(ema_decay=0.9))
+    assert "noise_to_signal=1.0, momentum=0.9" in repr(AIS()) and "ema_decay=0.9" in repr(AIS(ema_decay=0.9))

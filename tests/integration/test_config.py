@@ -50,18 +50,31 @@ def test_every_corrector_option_builds(name):
     assert type(c.loss).__name__ == ("TBPOLoss" if name == "qarl" else "GRPOLoss")
 
 
-def test_ais_averaged_divides_phi_by_the_trainers_adam_averaging():
-    # the trainer's AdamW keeps torch's default betas; its first moment averages the noise by (1 - b1) / (1 + b1)
+def test_ais_reads_beta1_from_the_trainers_adamw():
+    # AIS v2 scores the update AdamW applies: its first moment averages the noise by (1 - b1) / (1 + b1)
     import inspect
 
     import torch
 
-    from ais_lightning.diagnostics.gradient_noise import averaged_noise_factor
+    from ais_lightning.correctors.ais import averaged_noise_factor
 
-    beta1 = inspect.signature(torch.optim.AdamW).parameters["betas"].default[0]
-    corrector = validate(make("corrector=ais_averaged")).corrector
-    assert corrector.params.noise_to_signal == pytest.approx(averaged_noise_factor(beta1), rel=1e-15)
-    assert corrector.params.noise_to_signal == pytest.approx(1 / 19)
+    torch_beta1 = inspect.signature(torch.optim.AdamW).parameters["betas"].default[0]
+    components = validate(make("corrector=ais"))
+    assert components.corrector.params.momentum == torch_beta1 == components.algorithm.betas[0] == 0.9
+    assert components.corrector.params.update_noise_to_signal == pytest.approx(1 / 19, rel=1e-15)
+    # one source: the optimizer's beta1 moves the corrector's with it; an explicit override still wins
+    moved = validate(make("corrector=ais", "algorithm.betas=[0.5,0.999]"))
+    assert moved.corrector.params.momentum == 0.5 and moved.algorithm.betas == (0.5, 0.999)
+    assert moved.corrector.params.update_noise_to_signal == pytest.approx(averaged_noise_factor(0.5))
+    assert validate(make("corrector=ais", "corrector.momentum=0.0")).corrector.params.momentum == 0.0
+    one_step = validate(make("corrector=ais_one_step")).corrector.params
+    assert one_step.momentum == 0.0 and one_step.update_noise_to_signal == 1.0
+
+
+@pytest.mark.parametrize("bad", ["[0.9]", "[1.0,0.999]", "[-0.1,0.999]"])
+def test_bad_adam_betas_name_the_field(bad):
+    with pytest.raises(Exception, match="betas"):
+        validate(make(f"algorithm.betas={bad}"))
 
 
 @pytest.mark.parametrize("name", [n for n in options("task") if n != "gsm8k"])

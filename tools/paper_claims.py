@@ -21,10 +21,21 @@ fp32; ``llada_fp32`` for the diffusion family).
 Differences come with a standard error sqrt(s1^2/n1 + s2^2/n2) over seeds and, where both rows ran
 the same seeds (``report.json`` keeps every run's value), paired by seed: the mean of the per-seed
 differences ± their standard error. A seed fixes the validation prompts and the starting accuracy, so
-pairing removes what the seeds share, which dominates when the validation sets differ a lot. Usage:
+pairing removes what the seeds share, which dominates when the validation sets differ a lot.
+
+``--lambda-plot PATH.png`` also draws, for the rows whose corrector is ``--lambda-corrector`` (default
+ais), the lambda trajectory against entropy and mismatch KL in one figure: (a) lambda, (b) entropy and
+(c) mismatch KL (log) vs step, one line per precision, ± std over seeds; (d) lambda vs mismatch KL at
+every step, coloured by entropy: lambda near 0 where the mismatch is harmless, near 1 where it is
+ruinous. Rows without a ``--lambda-key`` history are skipped (named on stderr). Usage:
 
     python tools/sweep_report.py ... --plot mismatch/ais_lambda --out docs/results/engine
     python tools/paper_claims.py docs/results/engine/report.json [--lambda-key mismatch/ais_lambda]
+        [--lambda-plot docs/results/engine/lambda_regimes.png [--lambda-corrector ais]]
+
+(``--lambda-key ais_lambda`` reads the AIS corrector's applied ``ais/lambda``, which the report keeps
+whenever it was logged.) Exit status 2 on a missing baseline row, or when ``--lambda-plot`` finds no
+row to draw.
 """
 
 from __future__ import annotations
@@ -88,6 +99,20 @@ def quarter_means(history: dict) -> tuple[float, float]:
         return float("nan"), float("nan")
     q = len(values) // 4
     return statistics.fmean(values[:q]), statistics.fmean(values[-q:])
+
+
+VARIANCE_AMPLIFICATION_KEY = "ais/variance_amplification"
+"""History of AIS v2's V = 1 + chi2_A (``sweep_report.py --plot ais/variance_amplification``)."""
+
+
+def correction_size(lam: dict, amplification: dict) -> dict:
+    """Per step, lambda * sqrt(V - 1) from the seed-mean curves of lambda and V = 1 + chi2_A: about the
+    root mean square of (weight - 1) that AIS applies (``(1 - lambda) + lambda b``, chi2_A = E(b - 1)^2
+    weighted by A^2), i.e. how much the corrector changes the update, as a history dict."""
+    a = dict(zip(lam.get("step", []), lam.get("mean", [])))
+    b = dict(zip(amplification.get("step", []), amplification.get("mean", [])))
+    steps = [s for s in a if s in b and a[s] is not None and b[s] is not None]
+    return {"step": steps, "mean": [a[s] * math.sqrt(max(b[s] - 1.0, 0.0)) for s in steps]}
 
 
 def correlation(h1: dict, h2: dict) -> float:
@@ -194,8 +219,11 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
 
     out += ["", "### 4. Over training: first vs last quarter of the steps", ""]
     out += [
-        "| precision, corrector | mismatch KL | entropy | lambda | corr(lambda, entropy) |",
-        "|---|---|---|---|---|",
+        "lambda * sqrt(chi2_A) (from the AIS rows' `ais/variance_amplification` history, when reported) is about "
+        "the root mean square of (weight - 1): how much the corrector changes the update.",
+        "",
+        "| precision, corrector | mismatch KL | entropy | lambda | lambda * sqrt(chi2_A) | corr(lambda, entropy) |",
+        "|---|---|---|---|---|---|",
     ]
     for (p, c), row in sorted(rows.items()):
         if p == baseline:
@@ -204,10 +232,12 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         kl = quarter_means(h.get("mismatch_kl", {}))
         ent = quarter_means(h.get("entropy", {}))
         lam = quarter_means(h.get(lambda_key, {}))
+        size = quarter_means(correction_size(h.get(lambda_key, {}), h.get(VARIANCE_AMPLIFICATION_KEY, {})))
         r = correlation(h.get(lambda_key, {}), h.get("entropy", {}))
         out.append(
             f"| {p}, {c} | {_fmt(kl[0], '.2e')} -> {_fmt(kl[1], '.2e')} | {_fmt(ent[0], '.3f')} -> "
-            f"{_fmt(ent[1], '.3f')} | {_fmt(lam[0], '.4f')} -> {_fmt(lam[1], '.4f')} | {_fmt(r, '+.2f')} |"
+            f"{_fmt(ent[1], '.3f')} | {_fmt(lam[0], '.4f')} -> {_fmt(lam[1], '.4f')} | "
+            f"{_fmt(size[0], '.4f')} -> {_fmt(size[1], '.4f')} | {_fmt(r, '+.2f')} |"
         )
 
     out += ["", f"### 5. Rollout throughput inside training, relative to {baseline}", ""]
@@ -268,6 +298,166 @@ def early_vs_late(rows: dict, baseline: str) -> list[str]:
     return out
 
 
+LAMBDA_FIGSIZE = (14.0, 8.0)
+"""Size of the ``--lambda-plot`` figure in inches (saved at LAMBDA_DPI: 1400 x 800 pixels)."""
+LAMBDA_DPI = 100
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _curve(history: dict, positive: bool = False) -> dict[str, list[float]]:
+    """The points of a history with a finite mean (and > 0 when ``positive``, for a log axis): step,
+    mean, and the ± std band ``lo`` / ``hi`` (the mean itself where the std is missing or from one run)."""
+    steps = list(history.get("step") or [])
+    means = list(history.get("mean") or []) + [None] * len(steps)
+    stds = list(history.get("std") or []) + [None] * len(steps)
+    ns = list(history.get("n") or []) + [None] * len(steps)  # no counts: trust a finite std
+    out: dict[str, list[float]] = {"step": [], "mean": [], "lo": [], "hi": []}
+    for step, m, s, n in zip(steps, means, stds, ns):
+        if not _finite(m) or (positive and m <= 0):
+            continue
+        band = s if _finite(s) and (n is None or n > 1) else 0.0
+        out["step"].append(step)
+        out["mean"].append(m)
+        out["lo"].append(m - band)
+        out["hi"].append(m + band)
+    return out
+
+
+def lambda_rows(report: dict, lambda_key: str, corrector: str) -> list[tuple[str, dict]]:
+    """(precision, row) of the GRPO rows whose corrector is ``corrector`` and that have a finite
+    ``lambda_key`` history, sorted by precision. The other rows of that corrector are named on stderr;
+    ValueError (naming ``--lambda-corrector`` and ``--lambda-key``) when no row qualifies."""
+    rows = report.get("rows") or []
+    precision, corrector_key = reference_keys(list(rows[0]["group"]) if rows else [])
+    grpo = [r for r in rows if r["group"].get("algorithm", "grpo") == "grpo"]
+    picked = [r for r in grpo if r["group"].get(corrector_key) == corrector]
+    out = []
+    for row in picked:
+        name = row["group"].get(precision, "?")
+        if _curve(row.get("histories", {}).get(lambda_key, {}))["step"]:
+            out.append((name, row))
+        else:
+            print(
+                f"paper_claims: --lambda-plot skips {name}, {corrector}: no {lambda_key!r} history",
+                file=sys.stderr,
+            )
+    if not out:
+        correctors = sorted({str(r["group"].get(corrector_key)) for r in grpo})
+        keys = sorted({k for r in picked for k in r.get("histories", {})})
+        raise ValueError(
+            f"--lambda-plot: no GRPO row with corrector {corrector!r} (--lambda-corrector) has a "
+            f"{lambda_key!r} history (--lambda-key); correctors in the report: {correctors}"
+            + (f", histories of the {corrector!r} rows: {keys}" if picked else "")
+        )
+    return sorted(out, key=lambda t: t[0])
+
+
+def plot_lambda_regimes(report: dict, lambda_key: str, corrector: str, path: str | Path) -> Path:
+    """One PNG: the AIS lambda of every ``corrector`` row (see :func:`lambda_rows`) against entropy and
+    mismatch KL. (a) lambda, (b) entropy and (c) mismatch KL (log y) vs step, one line per precision in
+    the same colour in every panel, ± std band where the row averages several runs; (d) lambda vs
+    mismatch KL (log x) at every step of every row, coloured by the step's entropy (grey without one),
+    one marker per precision. Steps whose KL is not finite and > 0 are left out of (c) and (d)."""
+    rows = lambda_rows(report, lambda_key, corrector)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    palette = matplotlib.colormaps["tab10"].colors  # the colours of ais_lightning.report.render
+    fig = plt.figure(figsize=LAMBDA_FIGSIZE, layout="constrained")
+    grid = fig.add_gridspec(3, 2, width_ratios=(1.15, 1.0))
+    ax_lam = fig.add_subplot(grid[0, 0], label="lambda")
+    ax_ent = fig.add_subplot(grid[1, 0], sharex=ax_lam, label="entropy")
+    ax_kl = fig.add_subplot(grid[2, 0], sharex=ax_lam, label="mismatch_kl")
+    ax_sc = fig.add_subplot(grid[:, 1], label="scatter")
+
+    points = []  # (precision index, kl, lambda, entropy) of every step with lambda and KL > 0
+    for i, (name, row) in enumerate(rows):
+        h = row.get("histories", {})
+        color = palette[i % len(palette)]
+        label = f"{name} (n={row['n_runs']})" if "n_runs" in row else name
+        for ax, key, positive in (
+            (ax_lam, lambda_key, False),
+            (ax_ent, "entropy", False),
+            (ax_kl, "mismatch_kl", True),
+        ):
+            c = _curve(h.get(key, {}), positive=positive)
+            if not c["step"]:
+                continue
+            marker = "." if len(c["step"]) < 30 else None
+            ax.plot(c["step"], c["mean"], color=color, marker=marker, label=label)
+            if c["lo"] != c["hi"]:
+                ax.fill_between(c["step"], c["lo"], c["hi"], color=color, alpha=0.2, linewidth=0)
+        lam = dict(zip(*(_curve(h[lambda_key])[k] for k in ("step", "mean"))))
+        kl = dict(zip(*(_curve(h.get("mismatch_kl", {}), positive=True)[k] for k in ("step", "mean"))))
+        ent = dict(zip(*(_curve(h.get("entropy", {}))[k] for k in ("step", "mean"))))
+        points += [(i, kl[s], lam[s], ent.get(s, math.nan)) for s in lam if s in kl]
+
+    entropies = [p[3] for p in points if math.isfinite(p[3])]
+    norm = Normalize(min(entropies), max(entropies)) if entropies else Normalize(0.0, 1.0)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    for i, (name, _) in enumerate(rows):
+        mine = [p for p in points if p[0] == i]
+        if mine:
+            ax_sc.scatter(
+                [p[1] for p in mine],
+                [p[2] for p in mine],
+                c=[p[3] for p in mine],
+                cmap=cmap,
+                norm=norm,
+                marker=_MARKERS[i % len(_MARKERS)],
+                edgecolors=[palette[i % len(palette)]],
+                linewidths=1.0,
+                s=36,
+                plotnonfinite=True,  # a step without entropy is drawn in grey, not dropped
+                label=name,
+            )
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax_sc, label="entropy (nats)")
+
+    ax_lam.set_title(f"(a) AIS lambda ({lambda_key}): 0 = no correction, 1 = full", fontsize="medium")
+    ax_ent.set_title("(b) entropy", fontsize="medium")
+    ax_kl.set_title("(c) mismatch KL", fontsize="medium")
+    ax_sc.set_title(
+        "(d) lambda vs mismatch KL at every step, colour = entropy, edge = precision", fontsize="medium"
+    )
+    for ax in (ax_lam, ax_sc):
+        ax.set_ylim(-0.03, 1.03)
+    ax_lam.set_ylabel("lambda")
+    ax_ent.set_ylabel("entropy (nats)")
+    ax_kl.set_ylabel("mismatch KL")
+    ax_kl.set_xlabel("step")
+    if ax_kl.lines:
+        ax_kl.set_yscale("log", nonpositive="clip")
+    if points:
+        ax_sc.set_xscale("log", nonpositive="clip")
+    ax_sc.set_xlabel("mismatch KL (log)")
+    ax_sc.set_ylabel("lambda")
+    for ax in (ax_lam, ax_ent):
+        ax.tick_params(labelbottom=False)
+    for ax in (ax_lam, ax_ent, ax_kl, ax_sc):
+        ax.grid(alpha=0.3)
+    ax_lam.legend(fontsize="small", title="precision", loc="best")
+    if points:
+        legend = ax_sc.legend(fontsize="small", title="precision", loc="best")
+        for handle in legend.legend_handles:
+            handle.set_facecolor("none")  # the marker and its edge name the precision, not an entropy
+    fig.suptitle(
+        f"{report.get('experiment', 'sweep')}: AIS lambda ({corrector} rows) vs entropy and mismatch KL"
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=LAMBDA_DPI)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -278,17 +468,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lambda-key",
         default="mismatch/ais_lambda",
-        help="history holding lambda (pass it to sweep_report.py --plot; default %(default)s)",
+        help="history holding lambda (pass it to sweep_report.py --plot; ais_lambda is the AIS "
+        "corrector's applied ais/lambda; default %(default)s)",
     )
     parser.add_argument(
         "--metric",
         default="val_accuracy_gain",
         help="report column compared in claims 1-3 (default %(default)s)",
     )
+    parser.add_argument(
+        "--lambda-plot",
+        metavar="PATH.png",
+        default=None,
+        help="also draw the lambda of the --lambda-corrector rows vs step next to entropy and mismatch KL, "
+        "and lambda vs mismatch KL coloured by entropy, into this PNG",
+    )
+    parser.add_argument(
+        "--lambda-corrector",
+        default="ais",
+        help="corrector whose rows --lambda-plot draws, one line per precision (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         report = json.loads(Path(args.report).read_text())
         print(claims_markdown(report, args.lambda_key, args.metric))
+        if args.lambda_plot:
+            path = plot_lambda_regimes(report, args.lambda_key, args.lambda_corrector, args.lambda_plot)
+            print(f"wrote {path}")
     except (OSError, ValueError, KeyError) as err:
         print(f"paper_claims: error: {err}", file=sys.stderr)
         return 2

@@ -72,9 +72,30 @@ def test_claims_numbers(tmp_path, capsys):
     # 3: AIS 0.19 vs best mis 0.16 -> +0.030
     assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 | n/a |" in text
     # 4: quarters of 4 values = first and last value; lambda falls with entropy: corr -1
-    assert "| fp8, none | 1.00e-03 -> 4.00e-03 | 2.000 -> 0.500 | 0.1000 -> 0.4000 | -1.00 |" in text
+    # (no variance amplification history: the correction size is n/a)
+    assert (
+        "| fp8, none | 1.00e-03 -> 4.00e-03 | 2.000 -> 0.500 | 0.1000 -> 0.4000 | n/a -> n/a | -1.00 |"
+        in text
+    )
     # 5: fp8 runs average (500 + 500 + 500 + 600) / 4 = 525 -> 0.53x of fp32's 1000
     assert "| fp8 | 525 | 0.53x |" in text
+
+
+def test_correction_size_is_lambda_times_root_chi2(tmp_path, capsys):
+    # V = 1 + chi2_A per step [1.04, 1.09, 1.16, 1.25] -> sqrt(chi2) = [0.2, 0.3, 0.4, 0.5];
+    # lambda [0.1, 0.2, 0.3, 0.4] -> lambda sqrt(chi2) = [0.02, 0.06, 0.12, 0.20]: first / last quarter 0.02 / 0.2
+    report = json.loads(json.dumps(REPORT))
+    steps = [0, 10, 20, 30]
+    report["rows"][1]["histories"]["ais/variance_amplification"] = {
+        "step": steps,
+        "mean": [1.04, 1.09, 1.16, 1.25],
+    }
+    text = _claims(tmp_path, capsys, report)
+    assert "| 0.1000 -> 0.4000 | 0.0200 -> 0.2000 | -1.00 |" in text
+    size = _load().correction_size(
+        {"step": [0, 1, 2], "mean": [0.5, None, 1.0]}, {"step": [0, 1, 2], "mean": [1.25, 1.0, 0.99]}
+    )
+    assert size == {"step": [0, 2], "mean": [0.25, 0.0]}  # a missing lambda is skipped, V < 1 counts as 0
 
 
 def test_gap_within_noise_is_marked(tmp_path, capsys):
@@ -197,3 +218,165 @@ def test_differences_paired_by_seed(tmp_path, capsys):
     assert math.isnan(tool.paired_diff(unpaired, none, "val_accuracy_gain")[0])
     rows = [REPORT["rows"][0], none, *REPORT["rows"][2:4], ais]
     assert "| +0.090 ± 0.020 | +0.057 ± 0.012 (3) | 0.90 |" in _claims(tmp_path, capsys, {"rows": rows})
+
+
+# --lambda-plot: a report grouped by the options picked, AIS at two precisions with lambda near 0 (int8,
+# harmless mismatch) and near 1 (fp4, ruinous), plus the baseline / none rows the claims need.
+LAMBDA_STEPS = [0, 10, 20, 30]
+
+
+def _hist(means, std=0.01, n=2):
+    return {"step": LAMBDA_STEPS, "mean": means, "std": [std] * len(means), "n": [n] * len(means)}
+
+
+def _lambda_row(p, c, lam=None, kl=None, ent=None):
+    row = _row(p, c, 0.1, 0.02, 500)
+    row["group"] = {"algorithm": "grpo", "rollout": p, "corrector": c}
+    row["n_runs"] = 2
+    hist = {"entropy": _hist(ent or [1.0, 0.9, 0.8, 0.7]), "mismatch_kl": _hist(kl or [1e-3] * 4, std=1e-4)}
+    if lam:
+        hist["ais_lambda"] = _hist(lam, std=0.02)
+    row["histories"] = hist
+    return row
+
+
+LAMBDA_REPORT = {
+    "experiment": "lambda-sweep",
+    "rows": [
+        _lambda_row("fp32", "none"),
+        _lambda_row("int8", "none"),
+        _lambda_row("fp4", "none"),
+        _lambda_row("int8", "ais", lam=[0.10, 0.12, 0.08, 0.10], kl=[2e-3, 3e-3, 2e-3, 1e-3]),
+        _lambda_row(
+            "fp4", "ais", lam=[0.85, 0.90, 0.92, 0.95], kl=[5e-2, 6e-2, 8e-2, 1e-1], ent=[1.2, 1.0, 0.6, 0.3]
+        ),
+    ],
+}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the tool closes, kept open for inspection: ``{axes label: axes}`` per figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    yield figures
+    monkeypatch.undo()
+    for fig in figures:
+        plt.close(fig)
+
+
+def _axes(fig) -> dict:
+    return {ax.get_label(): ax for ax in fig.axes}
+
+
+def _scatter_points(ax) -> list[tuple[float, float]]:
+    return [tuple(p) for c in ax.collections for p in c.get_offsets().tolist()]
+
+
+def _lambda_main(tmp_path, report, *args):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    return _load().main([str(path), "--lambda-key", "ais_lambda", *args])
+
+
+def test_lambda_plot_draws_both_precisions(tmp_path, capsys, drawn):
+    import matplotlib.image
+
+    tool = _load()
+    png = tmp_path / "plots" / "lambda.png"
+    assert _lambda_main(tmp_path, LAMBDA_REPORT, "--lambda-plot", str(png)) == 0
+    out = capsys.readouterr()
+    assert f"wrote {png}" in out.out and "### 4." in out.out and out.err == ""
+    assert png.stat().st_size > 0
+    width, height = (int(x * tool.LAMBDA_DPI) for x in tool.LAMBDA_FIGSIZE)
+    assert matplotlib.image.imread(png).shape[:2] == (height, width)  # 800 x 1400
+
+    (fig,) = drawn
+    axes = _axes(fig)
+    assert "lambda-sweep" in fig.get_suptitle()
+    lam, kl = axes["lambda"], axes["mismatch_kl"]
+    assert [line.get_label() for line in lam.get_lines()] == ["fp4 (n=2)", "int8 (n=2)"]
+    assert [list(line.get_ydata()) for line in lam.get_lines()] == [
+        [0.85, 0.90, 0.92, 0.95],
+        [0.10, 0.12, 0.08, 0.10],
+    ]
+    assert len(lam.collections) == 2  # a ± std band per precision (2 runs each)
+    # the same colour per precision in (a), (b), (c); steps shared, KL on a log axis
+    for name in ("entropy", "mismatch_kl"):
+        assert [line.get_color() for line in axes[name].get_lines()] == [
+            line.get_color() for line in lam.get_lines()
+        ]
+        assert axes[name].get_shared_x_axes().joined(axes[name], lam)
+    assert kl.get_yscale() == "log"
+    # (d): every step of both rows, lambda on 0..1, KL on a log axis, coloured by entropy
+    sc = axes["scatter"]
+    assert sorted(_scatter_points(sc)) == sorted(
+        [
+            (5e-2, 0.85),
+            (6e-2, 0.90),
+            (8e-2, 0.92),
+            (1e-1, 0.95),
+            (2e-3, 0.10),
+            (3e-3, 0.12),
+            (2e-3, 0.08),
+            (1e-3, 0.10),
+        ]
+    )
+    assert [c.get_label() for c in sc.collections] == ["fp4", "int8"]
+    assert list(sc.collections[0].get_array()) == [1.2, 1.0, 0.6, 0.3]  # fp4's entropy per step
+    assert sc.get_xscale() == "log" and sc.get_ylim()[0] <= 0 and sc.get_ylim()[1] >= 1
+    assert axes["<colorbar>"].get_ylabel() == "entropy (nats)"
+
+
+def test_lambda_plot_skips_rows_without_lambda(tmp_path, capsys, drawn):
+    rows = [json.loads(json.dumps(r)) for r in LAMBDA_REPORT["rows"]]
+    del rows[3]["histories"]["ais_lambda"]  # int8 / ais logged no lambda
+    png = tmp_path / "lambda.png"
+    assert _lambda_main(tmp_path, {**LAMBDA_REPORT, "rows": rows}, "--lambda-plot", str(png)) == 0
+    err = capsys.readouterr().err
+    assert "skips int8, ais: no 'ais_lambda' history" in err and "fp4" not in err
+    (fig,) = drawn
+    assert [line.get_label() for line in _axes(fig)["lambda"].get_lines()] == ["fp4 (n=2)"]
+    assert len(_scatter_points(_axes(fig)["scatter"])) == 4
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--lambda-corrector", "tis"],  # no row with that corrector
+        ["--lambda-key", "mismatch/ais_lambda"],  # the ais rows have no such history
+    ],
+)
+def test_lambda_plot_without_qualifying_rows_is_an_error(tmp_path, capsys, args):
+    png = tmp_path / "lambda.png"
+    assert _lambda_main(tmp_path, LAMBDA_REPORT, "--lambda-plot", str(png), *args) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # after the rows skipped for want of lambda
+    assert err.startswith("paper_claims: error: ") and "--lambda-corrector" in err and "--lambda-key" in err
+    assert not png.exists()
+
+
+def test_lambda_plot_leaves_out_nonpositive_kl(tmp_path, drawn):
+    """KL 0, nan (NaN in the JSON) and null (what report.json writes for nan) are left out of the log
+    panels; lambda and entropy keep every step."""
+    report = json.loads(json.dumps(LAMBDA_REPORT))
+    report["rows"][3]["histories"]["mismatch_kl"]["mean"] = [0.0, float("nan"), 2e-3, None]
+    report["rows"][4]["histories"]["mismatch_kl"]["mean"] = [5e-2, -1e-3, 8e-2, 1e-1]
+    report = json.loads(json.dumps(report))  # nan survives as NaN
+    png = _load().plot_lambda_regimes(report, "ais_lambda", "ais", tmp_path / "lambda.png")
+    assert png == tmp_path / "lambda.png" and png.stat().st_size > 0
+    (fig,) = drawn
+    axes = _axes(fig)
+    # fp4 keeps 3 steps, int8 1 of 4
+    assert sorted(_scatter_points(axes["scatter"])) == [
+        (2e-3, 0.08),
+        (5e-2, 0.85),
+        (8e-2, 0.92),
+        (1e-1, 0.95),
+    ]
+    assert [list(line.get_xdata()) for line in axes["mismatch_kl"].get_lines()] == [[0, 20, 30], [20]]
+    assert [len(line.get_xdata()) for line in axes["lambda"].get_lines()] == [4, 4]

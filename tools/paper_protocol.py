@@ -32,17 +32,14 @@ import datetime
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
-from http.client import HTTPException
 from pathlib import Path
 
 import ais_lightning
+from ais_lightning.mlflow_server import STORE, local_mlflow_server, server_command
 
 CONF = Path(ais_lightning.__file__).resolve().parent / "conf"
 TOOLS = Path(__file__).resolve().parent
@@ -129,59 +126,6 @@ def protocol_steps(args: argparse.Namespace, uri: str) -> list[Step]:
 def protocol_commands(args: argparse.Namespace, uri: str) -> list[list[str]]:
     """The argv of every command of the protocol, in order."""
     return [step.argv for step in protocol_steps(args, uri)]
-
-
-def server_command(out: Path, port: int | str) -> list[str]:
-    """The documented ``mlflow server`` with its SQLite store and artifacts under ``out``."""
-    return [
-        *(sys.executable, "-m", "mlflow", "server"),
-        *("--backend-store-uri", f"sqlite:///{out.resolve() / 'mlflow.db'}"),
-        *("--artifacts-destination", str(out.resolve() / "mlartifacts")),
-        *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def local_mlflow_server(out: Path, timeout: float = 300) -> Iterator[str]:
-    """``mlflow server`` on a free 127.0.0.1 port until the block ends (error and Ctrl+C included)."""
-    port = free_port()
-    log_path = out / "mlflow-server.log"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
-    with open(log_path, "w") as log:
-        # Its own session: a Ctrl+C does not reach it mid-sweep; it is stopped below, workers included.
-        proc = subprocess.Popen(
-            server_command(out, port), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        uri = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while True:
-            with (
-                contextlib.suppress(OSError, HTTPException),
-                urllib.request.urlopen(f"{uri}/health", timeout=2) as resp,
-            ):
-                if resp.status == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not answer {uri}/health; its log: {log_path}")
-            time.sleep(0.5)
-        yield uri
-    finally:
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
 
 
 class StepFailed(RuntimeError):
@@ -301,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except Exception as err:  # Hydra's composition errors
             overrides = f" with the overrides after -- ({' '.join(args.overrides)})" if args.overrides else ""
             parser.error(f"experiment={exp}{overrides} does not compose: {err}")
-    if not args.dry_run and args.tracking_uri is None and (args.out / "mlflow.db").exists():
+    if not args.dry_run and args.tracking_uri is None and (args.out / STORE).exists():
         parser.error(
             f"--out {args.out} already holds an MLflow store from an earlier protocol: the report would "
             "average its runs with the new ones. Choose a new --out (or pass --tracking-uri on purpose)."
@@ -328,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     times: list[tuple[str, float]] = []
     start = time.monotonic()
     step = None
-    store = args.tracking_uri or args.out / "mlflow.db"
+    store = args.tracking_uri or args.out / STORE
     try:
         with contextlib.ExitStack() as stack:
             uri = args.tracking_uri or stack.enter_context(local_mlflow_server(args.out))

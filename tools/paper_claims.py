@@ -75,17 +75,31 @@ def paired_diff(a: dict, b: dict, col: str) -> tuple[float, float, int]:
     Reads ``row["seeds"]`` and ``row[col]["values"]`` (in run order); seeds both rows have with finite
     values are paired. (nan, nan, pairs) with fewer than 2 pairs, or when a row keeps no values."""
 
-    def by_seed(row: dict) -> dict[str, float]:
-        values = (row.get(col) or {}).get("values") or []
-        return {
-            seed: v for seed, v in zip(row.get("seeds", []), values) if v is not None and math.isfinite(v)
-        }
-
-    va, vb = by_seed(a), by_seed(b)
+    va, vb = _by_seed(a, col), _by_seed(b, col)
     diffs = [va[seed] - vb[seed] for seed in va if seed in vb]
     if len(diffs) < 2:
         return float("nan"), float("nan"), len(diffs)
     return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
+
+
+def _by_seed(row: dict, col: str) -> dict[str, float]:
+    """``{seed: value}`` of ``row[col]["values"]`` (finite values only)."""
+    values = (row.get(col) or {}).get("values") or []
+    return {seed: v for seed, v in zip(row.get("seeds", []), values) if v is not None and math.isfinite(v)}
+
+
+def recovered_share(x: dict, none: dict, base: dict, col: str) -> float:
+    """(x - none) / (base - none) over the seeds all three rows share (a seed fixes the validation prompts).
+
+    Equals the ratio of the row means when the rows hold the same seeds; when they do not (a row with
+    extra seeds, pooled from a second sweep), comparing means over different seeds would mix validation
+    sets, so the shared seeds are used. nan when no seed is shared or the gap over them is 0."""
+    vx, vn, vb = _by_seed(x, col), _by_seed(none, col), _by_seed(base, col)
+    shared = [seed for seed in vx if seed in vn and seed in vb]
+    if not shared:
+        return float("nan")
+    gap = statistics.fmean(vb[s] - vn[s] for s in shared)
+    return statistics.fmean(vx[s] - vn[s] for s in shared) / gap if gap else float("nan")
 
 
 def _paired(d: tuple[float, float, int]) -> str:
@@ -177,7 +191,8 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
     out += ["", f"### 2. Gap recovered by each corrector: (x - none) / ({baseline} - none)", ""]
     out += [
         "One row per corrector, best first. A gap within 2 standard errors of 0 is marked: its ratios are "
-        "noise, not recovery.",
+        "noise, not recovery. Gap recovered is taken over the seeds the row shares with none and the "
+        "baseline (the plain ratio of means when every row holds the same seeds).",
         "",
         f"| precision | corrector | {label} | seeds | x - none | paired by seed (pairs) | gap recovered |",
         "|---|---|---|---|---|---|---|",
@@ -192,7 +207,9 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         for c, x in sorted(here, key=lambda t: (-t[1][0] if math.isfinite(t[1][0]) else math.inf, t[0])):
             d, se = diff_with_se(x, none_stat)
             paired = _paired(paired_diff(rows[(p, c)], rows[(p, "none")], metric))
-            recovered = (x[0] - none_stat[0]) / gap if gap and math.isfinite(x[0]) else float("nan")
+            recovered = recovered_share(rows[(p, c)], rows[(p, "none")], base, metric)
+            if not math.isfinite(recovered) and gap and math.isfinite(x[0]):  # rows without per-seed values
+                recovered = (x[0] - none_stat[0]) / gap
             out.append(
                 f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | {c} | {_fmt(x[0])} ± "
                 f"{_fmt(x[1], '.3f')} | {x[2]} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} | {_fmt(recovered, '.2f')} |"
@@ -494,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         print(claims_markdown(report, args.lambda_key, args.metric))
         if args.lambda_plot:
             path = plot_lambda_regimes(report, args.lambda_key, args.lambda_corrector, args.lambda_plot)
-            print(f"wrote {path}")
+            print(f"wrote {path}", file=sys.stderr)  # stdout is the claims markdown only
     except (OSError, ValueError, KeyError) as err:
         print(f"paper_claims: error: {err}", file=sys.stderr)
         return 2

@@ -10,7 +10,8 @@ report.json (the same numbers, plus mean histories), and one PNG per metric vs s
 (val_accuracy, reward, mismatch_kl, entropy, ais_lambda; skipped with a note when not logged).
 Only FINISHED runs are averaged; FAILED/KILLED/RUNNING runs are listed separately.
 Column and "gap recovered" definitions: ais_lightning/report/stats.py (also printed at the end of report.md).
-Exit status 2 when the experiment does not exist or has no finished runs.
+Repeat --experiment to pool several experiments' runs (e.g. more seeds logged under another name).
+Exit status 2 when an experiment does not exist or none has finished runs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="MLflow tracking URI: sqlite:///abs/path/mlflow.db, http://127.0.0.1:5000, file:///abs/mlruns",
     )
-    parser.add_argument("--experiment", required=True, help="MLflow experiment name (or numeric id)")
+    parser.add_argument(
+        "--experiment",
+        required=True,
+        action="append",
+        help="MLflow experiment name (or numeric id); repeat it to pool the runs of several experiments "
+        "into the same rows (e.g. a sweep re-run with other seeds under another experiment name)",
+    )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument(
         "--group-by",

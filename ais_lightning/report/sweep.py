@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ class Report:
 
 def build_report(
     tracking_uri: str,
-    experiment: str,
+    experiment: str | Sequence[str],
     out_dir: str | Path,
     group_by: list[str] | None = None,
     metric_names: MetricNames | None = None,
@@ -54,6 +55,10 @@ def build_report(
 ) -> Report:
     """Load, aggregate and write ``report.md``, ``report.json`` and ``<metric>.png`` into ``out_dir``.
 
+    ``experiment``: one MLflow experiment (name or id), or several whose runs are pooled into the same
+    rows (e.g. the same sweep run again with other seeds under another ``logger.experiment_name``);
+    the report notes a row that holds two runs of one seed.
+
     ``extra_plots``: further metric keys (e.g. ``ais/severity``) plotted vs step like the
     PLOTTED ones, one PNG each named after the key. ``precision_key`` / ``corrector_key`` (default:
     ``rollout`` / ``corrector``, or the legacy params for older stores): the params whose values ``baseline_precision`` / ``no_correction`` mark the reference rows of the
@@ -62,15 +67,19 @@ def build_report(
     names = metric_names or MetricNames()
     plotted_keys = {getattr(names, fname) for fname, _, _ in PLOTTED}
     extra = [k for k in dict.fromkeys(extra_plots or []) if k not in plotted_keys]  # each plot once
-    runs = load_runs(tracking_uri, experiment, names, extra_keys=extra)
-    finished, excluded = split_finished(runs, experiment)
+    experiments = [experiment] if isinstance(experiment, str) else list(dict.fromkeys(experiment))
+    if not experiments:
+        raise ReportError("no experiment given")
+    source = " + ".join(experiments)
+    runs = [r for e in experiments for r in load_runs(tracking_uri, e, names, extra_keys=extra)]
+    finished, excluded = split_finished(runs, source)
     keys = resolve_group_by(finished, group_by)
     default_precision, default_corrector = reference_keys(keys)
     precision_key = precision_key or default_precision
     corrector_key = corrector_key or default_corrector
     missing = [k for k in keys if not any(k in r.params for r in finished)]
     if missing:
-        raise ReportError(f"group-by param(s) {missing} not logged by any finished run of {experiment!r}")
+        raise ReportError(f"group-by param(s) {missing} not logged by any finished run of {source!r}")
     rows = aggregate(
         finished,
         keys,
@@ -127,7 +136,7 @@ def build_report(
     md = write_markdown(
         rows,
         out / "report.md",
-        title=f"Sweep report: {experiment}",
+        title=f"Sweep report: {source}",
         excluded=excluded,
         group_by=keys,
         plots=plots,
@@ -135,7 +144,8 @@ def build_report(
         notes=notes,
     )
     meta = {
-        "experiment": experiment,
+        "experiment": source,
+        "experiments": experiments,
         "tracking_uri": tracking_uri,
         "group_by": keys,
         "baseline": {"precision": baseline_precision, "corrector": no_correction},

@@ -107,6 +107,10 @@ def _log_sweep(tracking_uri: str) -> dict[str, str]:
         _log_run(client, exp, precision, corrector, seed, summary=(precision, corrector) != ("int8", "ais"))
     failed = _log_run(client, exp, "fp8", "ais", 2, status="FAILED", acc=[0.0, 0.0, 0.0])
     running = _log_run(client, exp, "int8", "none", 2, status="RUNNING", acc=[0.0, 0.0, 0.0])
+    # the same sweep re-run with another seed under another name, and one seed again: pooled by --experiment x2
+    more = client.create_experiment("sweep-more")
+    _log_run(client, more, "fp8", "none", 2, acc=[0.3, 0.45, 0.6])
+    _log_run(client, more, "int8", "ais", 1)
     only_failed = client.create_experiment("only-failed")
     _log_run(client, only_failed, "fp8", "none", 0, status="FAILED")
     return {"failed": failed, "running": running}
@@ -262,6 +266,28 @@ def test_group_by_and_metric_map_options(sweep, tmp_path, capsys):
     data = json.loads((tmp_path / "c" / "report.json").read_text())
     assert data["baseline"] == {"precision": "fp8", "corrector": "none"}
     capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_several_experiments_pool_their_runs(sweep, tmp_path, capsys):
+    cli = _load_cli()
+    out = tmp_path / "pooled"
+    pooled = ["--experiment", "sweep", "--experiment", "sweep-more"]
+    args = ["--tracking-uri", sweep["uri"], "--out", str(out), *pooled]
+    assert cli.main(args) == 0
+    text = (out / "report.md").read_text()
+    _, rows = _table(text)
+    fp8_none = _row(rows, "fp8", "none")
+    # seeds 0, 1 from "sweep" (final 0.4, 0.5) and seed 2 from "sweep-more" (0.6): mean 0.5, std 0.1
+    assert fp8_none["n seeds"] == "3" and fp8_none["final val acc"] == "0.500 ± 0.100"
+    assert fp8_none["val acc gain"] == "+0.300 ± 0.000"  # 0.4 - 0.1, 0.5 - 0.2, 0.6 - 0.3
+    assert _row(rows, "fp32", "none")["n seeds"] == "2"  # rows the second experiment lacks are unchanged
+    assert "several runs with the same seed" in text  # int8/ais seed 1 is in both
+    data = json.loads((out / "report.json").read_text())
+    assert data["experiments"] == ["sweep", "sweep-more"] and data["experiment"] == "sweep + sweep-more"
+    assert text.startswith("# Sweep report: sweep + sweep-more")
+    assert cli.main(args[:-1] + ["no-such-sweep"]) == 2  # any missing experiment is an error
+    assert "'no-such-sweep' does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow

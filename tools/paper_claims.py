@@ -47,7 +47,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ais_lightning.report import reference_keys
+from ais_lightning.report import gap_recovered, reference_keys
 
 
 def _stat(row: dict, col: str) -> tuple[float, float, int]:
@@ -98,8 +98,8 @@ def recovered_share(x: dict, none: dict, base: dict, col: str) -> float:
     shared = [seed for seed in vx if seed in vn and seed in vb]
     if not shared:
         return float("nan")
-    gap = statistics.fmean(vb[s] - vn[s] for s in shared)
-    return statistics.fmean(vx[s] - vn[s] for s in shared) / gap if gap else float("nan")
+    share = gap_recovered(*(statistics.fmean(v[s] for s in shared) for v in (vx, vn, vb)))
+    return float("nan") if share is None else share
 
 
 def _paired(d: tuple[float, float, int]) -> str:
@@ -208,8 +208,9 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
             d, se = diff_with_se(x, none_stat)
             paired = _paired(paired_diff(rows[(p, c)], rows[(p, "none")], metric))
             recovered = recovered_share(rows[(p, c)], rows[(p, "none")], base, metric)
-            if not math.isfinite(recovered) and gap and math.isfinite(x[0]):  # rows without per-seed values
-                recovered = (x[0] - none_stat[0]) / gap
+            if not math.isfinite(recovered):  # rows without per-seed values: the ratio of the means
+                recovered = gap_recovered(x[0], none_stat[0], base_stat[0])
+                recovered = float("nan") if recovered is None else recovered
             out.append(
                 f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | {c} | {_fmt(x[0])} ± "
                 f"{_fmt(x[1], '.3f')} | {x[2]} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} | {_fmt(recovered, '.2f')} |"

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 from ais_lightning.signals import SigtermGuard, any_rank
+from tests.gloo import free_port, gloo_group
 
 
 def test_a_sigterm_inside_the_block_is_recorded_and_the_previous_handler_comes_back():
@@ -85,18 +86,11 @@ def test_a_sigterm_in_validates_last_batch_stops_the_fit_that_follows():
 
 
 def _vote(rank: int, port: int, results: dict) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, port):
         results[rank] = (any_rank(rank == 0), any_rank(False))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_any_rank_is_an_or_over_the_process_group():
-    from tests.mlflow_server import free_port
-
     assert any_rank(True) and not any_rank(False)  # no process group: the flag itself
     with torch.multiprocessing.Manager() as manager:
         results = manager.dict()

@@ -7,9 +7,9 @@ Not a test module: ``test_distributed.py`` puts this directory on ``sys.path`` s
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ais_lightning.correctors import AIS, AISv1
+from tests.gloo import gloo_group
 
 SCENARIOS = ("uneven", "one_rank_empty")
 CORRECTORS = {
@@ -54,13 +54,10 @@ def run_steps(name: str, shards_of_step) -> list[dict]:
 
 def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
+    with gloo_group(rank, world_size, port):
         results = {
             (name, scenario): run_steps(name, lambda step, s=scenario: make_shard(s, rank, step))
             for name in CORRECTORS
             for scenario in SCENARIOS
         }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()

@@ -7,9 +7,9 @@ Not a test module: ``test_peer_distributed.py`` puts this directory on ``sys.pat
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ais_lightning.correctors import M2PO, PSIS, BatchNormalizedTIS, DivergenceRejection
+from tests.gloo import gloo_group
 
 SCENARIOS = ("uneven", "one_rank_empty")
 LENGTH = 16
@@ -60,8 +60,7 @@ def run_all(data: dict[str, torch.Tensor]) -> dict:
 
 def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
+    with gloo_group(rank, world_size, port):
         results = {}
         for scenario in SCENARIOS:
             outs = run_all(make_shard(scenario, rank))
@@ -69,5 +68,3 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 n: {"weights": o.weights, "mask": o.mask, "stats": o.stats} for n, o in outs.items()
             }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()

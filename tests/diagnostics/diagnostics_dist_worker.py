@@ -7,9 +7,9 @@ Not a test module: ``test_distributed_sync.py`` puts this directory on ``sys.pat
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ais_lightning.diagnostics import CorrectionFraction, MismatchDiagnostics, TokenEntropy
+from tests.gloo import gloo_group
 
 SCENARIOS = ("uneven", "one_rank_empty")
 
@@ -70,13 +70,10 @@ def compute(metrics: dict) -> dict[str, float]:
 
 def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
+    with gloo_group(rank, world_size, port):
         results = {}
         for scenario in SCENARIOS:
             metrics = build_metrics()
             update(metrics, make_shard(scenario, rank))
             results[scenario] = compute(metrics)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.gloo import free_port
+
 NEW = ("ppl", "log_ppl", "ratio_std", "ess_clipped", "seq_ratio", "abs_log_ratio", "psis_khat", "khat16")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.gloo import free_port, gloo_group
+
 WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch():
@@ -82,20 +76,17 @@ def _check_sharded(root: str, batch, reference) -> None:
 
 
 def _worker(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
+    with gloo_group(rank, WORLD_SIZE, port):
         torch.set_num_threads(1)
         batch = _batch()
         reference = _reference(batch)
         _check_sharded("model", batch, reference)  # fully_shard(policy.model) as the root
         _check_sharded("policy", batch, reference)  # fully_shard(policy) as the root (the GRPO module's way)
         _check_sharded("both", batch, reference)  # policy.model a non-root FSDP module
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_diffusion_policy_under_fsdp2(monkeypatch):
     # Spawned children unpickle ``_worker`` by this module's name: they need the repository root on sys.path.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)

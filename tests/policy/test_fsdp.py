@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,9 @@ import torch.multiprocessing as mp
 
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy, load_named_tensors
+from tests.gloo import free_port, gloo_group
 
 WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch():
@@ -80,15 +74,12 @@ def _check_sharded(root: str, reference) -> None:
 
 
 def _worker(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
+    with gloo_group(rank, WORLD_SIZE, port):
         torch.set_num_threads(1)
         reference = _reference()
         _check_sharded("model", reference)  # fully_shard(policy.model) as the root
         _check_sharded("policy", reference)  # fully_shard(policy) as the root, policy.model unwrapped
         _check_sharded("both", reference)  # policy.model a non-root FSDP module (resharded after forward)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -96,4 +87,4 @@ def test_full_state_dict_and_logprobs_under_fsdp2(monkeypatch):
     # pytest imports this file as ``tests.policy.test_fsdp`` (importlib mode); spawned children
     # unpickle ``_worker`` by that name, so they need the repository root on sys.path.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)

@@ -8,25 +8,18 @@ units, the embedding, final norm and head belong to the root's flat parameter.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy
+from tests.gloo import free_port, gloo_group
 
 WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Root(nn.Module):
@@ -51,8 +44,7 @@ def _worker(rank: int, port: int) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
+    with gloo_group(rank, WORLD_SIZE, port):
         torch.set_num_threads(1)
         reference = dict(Policy(build_tiny_qwen3(seed=0)).full_state_dict())
         ref_lp = Policy(build_tiny_qwen3(seed=0))(*_batch())[0].detach()
@@ -81,11 +73,9 @@ def _worker(rank: int, port: int) -> None:
         torch.testing.assert_close(lp.detach(), ref_lp, rtol=0, atol=1e-5)
         again = dict(policy.full_state_dict(fsdp_root=root))  # and after it
         assert all(torch.equal(again[n], reference[n]) for n in reference)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_full_state_dict_under_fsdp1_comes_from_the_root(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)

@@ -1,4 +1,4 @@
-"""A 2-process gloo group for the distributed tests: one way to open it and one way to close it.
+"""The gloo group of the multi-process tests: one way to open it and one way to close it.
 
 Closing is where multi-process tests flake. If a rank tears down its gloo connections while its
 peer is still finishing a collective, or if FSDP modules (reference cycles, collected late) keep the

@@ -88,6 +88,12 @@ def _by_seed(row: dict, col: str) -> dict[str, float]:
     return {seed: v for seed, v in zip(row.get("seeds", []), values) if v is not None and math.isfinite(v)}
 
 
+def _share(x: float, none: float, base: float) -> float:
+    """``ais_lightning.report.gap_recovered`` with nan for "no gap to recover" (this tool's tables print nan)."""
+    share = gap_recovered(x, none, base)
+    return float("nan") if share is None else share
+
+
 def recovered_share(x: dict, none: dict, base: dict, col: str) -> float:
     """(x - none) / (base - none) over the seeds all three rows share (a seed fixes the validation prompts).
 
@@ -98,8 +104,7 @@ def recovered_share(x: dict, none: dict, base: dict, col: str) -> float:
     shared = [seed for seed in vx if seed in vn and seed in vb]
     if not shared:
         return float("nan")
-    share = gap_recovered(*(statistics.fmean(v[s] for s in shared) for v in (vx, vn, vb)))
-    return float("nan") if share is None else share
+    return _share(*(statistics.fmean(v[s] for s in shared) for v in (vx, vn, vb)))
 
 
 def _paired(d: tuple[float, float, int]) -> str:
@@ -209,8 +214,7 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
             paired = _paired(paired_diff(rows[(p, c)], rows[(p, "none")], metric))
             recovered = recovered_share(rows[(p, c)], rows[(p, "none")], base, metric)
             if not math.isfinite(recovered):  # rows without per-seed values: the ratio of the means
-                recovered = gap_recovered(x[0], none_stat[0], base_stat[0])
-                recovered = float("nan") if recovered is None else recovered
+                recovered = _share(x[0], none_stat[0], base_stat[0])
             out.append(
                 f"| {p} (gap {_fmt(gap)} ± {_fmt(gap_se, '.3f')}{noise}) | {c} | {_fmt(x[0])} ± "
                 f"{_fmt(x[1], '.3f')} | {x[2]} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} | {_fmt(recovered, '.2f')} |"

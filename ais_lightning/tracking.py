@@ -232,7 +232,7 @@ def check_tracking_uri(
     The store checked is the one the run will log to (:func:`logger_target`; for a resume, the store of
     the checkpoint's run). An HTTP(S) server must answer its ``/health`` endpoint within ``timeout_s``
     (MLflow's own client would retry for minutes, after the warm start); a SQLite store's directory must
-    be writable, and a resumed run's SQLite store must exist.
+    be writable, and a resumed run's SQLite store must exist; a file store must be one this MLflow opens.
     """
     if settings.name != "mlflow":
         return
@@ -266,6 +266,24 @@ def check_tracking_uri(
             raise ValueError(f"{where} answered /health with HTTP {response.status}{hint}")
     elif uri.startswith("sqlite:///"):
         check_writable(Path(uri.removeprefix("sqlite:///")).parent, key)
+    elif "://" not in uri or uri.startswith("file:"):
+        _check_file_store(uri, where)
+
+
+def _check_file_store(uri: str, where: str) -> None:
+    """Open a file store (``./mlruns``, ``file:...``) now: recent MLflow refuses one unless
+    ``$MLFLOW_ALLOW_FILE_STORE`` is set, which used to surface as a traceback after the warm start."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(tracking_uri=uri)  # builds the store, as the logger will
+    except MlflowException as err:
+        raise ValueError(
+            f"{where} is a file store, which this MLflow refuses ({err.message.split('. ')[0]}); use a "
+            "SQLite store (sqlite:///path/to/mlflow.db) or an http:// server, or set "
+            "MLFLOW_ALLOW_FILE_STORE=true"
+        ) from err
 
 
 def check_writable(directory: Path, key: str) -> None:

@@ -1,0 +1,37 @@
+"""The MLflow store named by ``logger.tracking_uri`` is opened before anything heavy (unit level)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ais_lightning.tracking import LoggerSettings, check_tracking_uri
+
+mlflow_env = pytest.importorskip("mlflow.environment_variables")
+
+
+@pytest.mark.skipif(
+    not hasattr(mlflow_env, "MLFLOW_ALLOW_FILE_STORE"),
+    reason="this MLflow accepts file stores unconditionally",
+)
+def test_a_refused_file_store_is_named_with_the_key_and_the_way_out(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
+    uri = f"file://{tmp_path / 'mlruns'}"
+    with pytest.raises(ValueError) as err:
+        check_tracking_uri(LoggerSettings(tracking_uri=uri), str(tmp_path))
+    message = str(err.value)
+    assert message.startswith(f"logger.tracking_uri={uri} is a file store"), message
+    assert "sqlite:///" in message and "MLFLOW_ALLOW_FILE_STORE=true" in message
+
+
+def test_an_allowed_file_store_and_a_plain_path_pass(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_tracking_uri(LoggerSettings(tracking_uri=f"file://{tmp_path / 'a'}"), str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    check_tracking_uri(LoggerSettings(tracking_uri=str(tmp_path / "b")), str(tmp_path))
+
+
+def test_other_loggers_open_no_store(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
+    check_tracking_uri(LoggerSettings(name="csv", tracking_uri=f"file://{tmp_path}"), str(tmp_path))

@@ -3,9 +3,11 @@
 AIS v2 mixes the uncorrected and the importance-weighted gradient with λ = Rβ² / (Rβ² + aφχ²_A), where
 ``φ = Var(Ĝ)/|g|²`` is the noise-to-signal ratio of the batch gradient (``corrector.noise_to_signal``,
 default 1: the batch at its critical size; docs/ais.md section 6) and ``a = (1 − β1)/(1 + β1)`` the
-averaging of AdamW's first moment (``algorithm.betas[0]``, which ``corrector.momentum`` reads). This tool measures it for a
-configuration: the real ``ais-train`` pipeline (``ais_lightning.build.validate`` of the composed config,
-its warm start, ``GRPOModule`` under a one-process Lightning Trainer) draws ``--batches`` rollout
+averaging of AdamW's first moment (``algorithm.betas[0]``, which ``corrector.momentum`` reads; with
+several optimizer steps per rollout batch, ``averaged_noise_factor(β1, ppo_epochs, mini_batches)``).
+This tool measures φ for a configuration: the real ``ais-train`` pipeline
+(``ais_lightning.build.validate`` of the composed config, its warm start, ``GRPOModule`` under a
+one-process Lightning Trainer) draws ``--batches`` rollout
 batches at the *same* weights (no optimizer step), and for every prompt group computes the gradient of
 its part of the GRPO loss at the first optimizer step of an update (π_θ = π_old, the corrector's
 weights applied, ``corrector=none`` by default). The groups are the independent units (GRPO normalises
@@ -128,7 +130,8 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
         "noise_scale_groups": noise.noise_scale,
         "noise_to_signal": phi,
         "adam_beta1": c.algorithm.betas[0],
-        "noise_to_signal_averaged": phi * averaged_noise_factor(c.algorithm.betas[0]),
+        "noise_to_signal_averaged": phi
+        * averaged_noise_factor(c.algorithm.betas[0], c.algorithm.ppo_epochs, c.algorithm.mini_batches),
         "unit_mean_rel_error": probe.unit_mean_error,
         "seconds": time.perf_counter() - started,
     }

@@ -24,7 +24,8 @@ w_t = exp(delta_t), advantage A_t and trainer entropy H_t:
   gradient in units of the uncorrected one's, counting only the correction's own noise.
 - the optimizer's averaging: Adam's first moment m_k = b1 m_{k-1} + (1 - b1) g_k (b1 = ``momentum``)
   averages the noise of independent batches by a = (1 - b1) / (1 + b1) (1/19 at b1 = 0.9) and keeps
-  the rollout's bias, which is the same in every batch.
+  the rollout's bias, which is the same in every batch; with several optimizer steps per rollout batch
+  (``ppo_epochs``, ``mini_batches``) a is ``averaged_noise_factor(b1, ppo_epochs, mini_batches)``.
 - MSE(lambda) / |g|^2 of the update the optimizer applies
   = (1 - lambda)^2 R beta^2 + a phi (1 + lambda^2 chi2_A), phi = ``noise_to_signal`` =
   Var(batch gradient) / |g|^2, minimised by
@@ -120,16 +121,55 @@ def check_flag(value: Any, name: str) -> bool:
     return value
 
 
-def averaged_noise_factor(beta1: float) -> float:
-    """Variance of the stationary exponential average ``m_k = β1 m_{k-1} + (1 - β1) x_k`` of independent
-    ``x_k`` with unit variance: ``(1 - β1)² Σ_j β1^{2j} = (1 - β1) / (1 + β1)`` (1/19 for Adam's β1 = 0.9).
+def check_steps(value: Any, name: str) -> int:
+    """``value`` as an int >= 1, else ValueError starting with ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
 
-    A constant added to every ``x_k`` passes through the average unchanged, so this is also the factor
-    by which averaging lowers the share of independent noise in the error against a persistent bias.
+
+def averaged_noise_factor(beta1: float, ppo_epochs: int = 1, mini_batches: int = 1) -> float:
+    """The variance of Adam's first moment ``m_k = β1 m_{k-1} + (1 - β1) g_k`` due to the noise of the
+    rollout batches, in units of one whole batch's gradient variance, averaged over the optimizer steps.
+
+    Each rollout batch of ``n`` rows takes ``K = ppo_epochs * mini_batches`` optimizer steps: every epoch
+    shuffles the rows into ``mini_batches`` mini-batches (``GRPOModule.update_policy``), and a step's
+    gradient is its mini-batch's mean. With independent zero-mean row noise of variance ``v`` (one
+    batch's mean then has variance ``v / n``), a row of the batch ``r`` batches back contributes
+    ``(1 - β1) (m / n) c`` to ``m_k``, ``c = Σ_epochs β1^lag`` over the steps that used it, so
+
+        a = m² (1 - β1)² · mean over the K steps q of a batch · Σ_{r >= 0} E[c_r(q)²]
+
+    with the row's mini-batch uniform and independent across epochs (``m = mini_batches``). Closed
+    forms: ``(1 - β1) / (1 + β1)`` with one step per batch (1/19 for Adam's β1 = 0.9), ``m (1 - β1) /
+    (1 + β1)`` with ``m`` mini-batches and one epoch (each step sees a fresh ``1/m`` of the data), ``m``
+    at β1 = 0 (one mini-batch's noise). Reused epochs correlate the averaged noise and raise ``a``.
+
+    A bias shared by every batch passes through the average unchanged, so ``a`` is the factor by which
+    the optimizer lowers the share of the batches' noise in the error against a persistent bias. The
+    dependence of rows within a prompt group is left out.
     """
     if isinstance(beta1, bool) or not isinstance(beta1, (int, float)) or not 0.0 <= beta1 < 1.0:
         raise ValueError(f"momentum (beta1) must be in [0, 1), got {beta1!r}")
-    return (1.0 - beta1) / (1.0 + beta1)
+    epochs = check_steps(ppo_epochs, "ppo_epochs")
+    m = check_steps(mini_batches, "mini_batches")
+    b, k_steps = float(beta1), epochs * m
+    if k_steps == 1:
+        return (1.0 - b) / (1.0 + b)
+
+    def second_moment(lags: list[list[int]]) -> float:
+        # E[c^2] for c = sum over epochs of x_e, x_e = beta1^lag (0 if the step is still to come), the
+        # epochs independent and each lag uniform over the row's m possible steps: lags[epoch][minibatch]
+        means = [sum(b**lag for lag in row if lag >= 0) / m for row in lags]
+        squares = [sum(b ** (2 * lag) for lag in row if lag >= 0) / m for row in lags]
+        return sum(squares) + sum(means) ** 2 - sum(x * x for x in means)
+
+    total = 0.0
+    for q in range(k_steps):  # the step of the current batch at which m_k is read
+        lags_now = [[q - (e * m + i) for i in range(m)] for e in range(epochs)]  # the current batch, r = 0
+        lags_last = [[lag + k_steps for lag in row] for row in lags_now]  # r = 1; r > 1 scales by b^(rK)
+        total += second_moment(lags_now) + second_moment(lags_last) / (1.0 - b ** (2 * k_steps))
+    return m * m * (1.0 - b) ** 2 * total / k_steps
 
 
 def safe_ratio(num: torch.Tensor, den: torch.Tensor, default: torch.Tensor | float) -> torch.Tensor:
@@ -267,6 +307,8 @@ class AISParams:
     c_low: float | None
     noise_to_signal: float
     momentum: float
+    ppo_epochs: int
+    mini_batches: int
     use_entropy: bool
     use_reliability: bool
     lambda_min: float
@@ -290,7 +332,7 @@ class AISParams:
         ):
             raise ValueError(f"noise_to_signal must be a finite number >= 0, got {phi!r}")
         set_(self, "noise_to_signal", float(phi))
-        averaged_noise_factor(self.momentum)  # validates: in [0, 1)
+        averaged_noise_factor(self.momentum, self.ppo_epochs, self.mini_batches)  # validates all three
         set_(self, "momentum", float(self.momentum))
         check_flag(self.use_entropy, "use_entropy")
         check_flag(self.use_reliability, "use_reliability")
@@ -300,8 +342,9 @@ class AISParams:
 
     @property
     def update_noise_to_signal(self) -> float:
-        """phi of the update the optimizer applies: ``noise_to_signal * (1 - momentum) / (1 + momentum)``."""
-        return self.noise_to_signal * averaged_noise_factor(self.momentum)
+        """phi of the update the optimizer applies: ``noise_to_signal * averaged_noise_factor(...)``
+        (``(1 - momentum) / (1 + momentum)`` with one optimizer step per rollout batch)."""
+        return self.noise_to_signal * averaged_noise_factor(self.momentum, self.ppo_epochs, self.mini_batches)
 
     @property
     def lower(self) -> float | None:
@@ -389,7 +432,7 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
     ``lambda_raw`` (the MSE minimiser in [0, 1]), ``severity`` beta (as used: 2 D without entropy or
     with ``use_entropy=False``), ``reliability`` R (as measured, also when switched off),
     ``variance_amplification`` V = 1 + chi2_A, ``bias_sq`` = R beta^2 (beta^2 when R is switched
-    off), ``variance_excess`` = a phi chi2_A (a = (1 - momentum) / (1 + momentum)), ``kl_k3`` D,
+    off), ``variance_excess`` = a phi chi2_A (a phi = ``params.update_noise_to_signal``), ``kl_k3`` D,
     ``kl_k3_se`` se(D) and ``spread`` G (as measured, 1 without entropy). Nothing valid: lambda = lambda_min and every value finite.
     """
     if stats.shape != (NUM_AIS_STATISTICS,):
@@ -448,7 +491,8 @@ class AIS(MixingCorrector):
     applies: the squared bias of the uncorrected gradient (divergence severity beta, measured against
     the policy's own spread, times the weight reliability R), which persists from step to step,
     against the extra variance of the weighted one (variance amplification V = 1 + chi2_A), which
-    the optimizer's first moment averages over steps (a = (1 - momentum) / (1 + momentum)). Formulas
+    the optimizer's first moment averages over steps (a = (1 - momentum) / (1 + momentum) with one
+    optimizer step per rollout batch; ``averaged_noise_factor`` in general). Formulas
     in the module docstring, derivation and assumptions in ``docs/ais.md``. If ``torch.distributed`` is initialized the sufficient statistics
     are all-reduced (SUM) first, so every rank uses the lambda of the global batch; every rank must
     then call the corrector. Pass ``advantages`` and ``entropy`` (the trainer's, in nats): without
@@ -470,8 +514,13 @@ class AIS(MixingCorrector):
             ``ais-train`` passes ``algorithm.betas[0]``). Its average of the step gradients keeps the
             rollout's bias and divides the noise of independent batches by (1 + beta1) / (1 - beta1),
             so the variance term is scaled by (1 - beta1) / (1 + beta1). 0 scores one batch's gradient
-            alone (plain SGD, or ``corrector=ais_one_step``). Assumes one optimizer step per rollout
-            batch (``ppo_epochs = mini_batches = 1``): reusing a batch correlates the averaged noise.
+            alone (plain SGD, or ``corrector=ais_one_step``).
+        ppo_epochs: passes over each rollout batch (``ais-train``: ``algorithm.ppo_epochs``); reused
+            data correlates the averaged noise and raises the variance term.
+        mini_batches: optimizer steps per pass (``ais-train``: ``algorithm.mini_batches``); each step
+            sees 1/mini_batches of the batch, so its noise is that many times one batch's.
+            ``averaged_noise_factor(momentum, ppo_epochs, mini_batches)`` is the factor a (1/19 at the
+            defaults).
         use_entropy: measure the severity against the policy's spread G (False: G = 1).
         use_reliability: multiply beta^2 by the reliability R (False: R = 1).
         lambda_min: lower clamp of lambda, in [0, 1].
@@ -493,6 +542,8 @@ class AIS(MixingCorrector):
         c_low: float | None = None,
         noise_to_signal: float = 1.0,
         momentum: float = 0.9,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
         use_entropy: bool = True,
         use_reliability: bool = True,
         lambda_min: float = 0.0,
@@ -507,6 +558,8 @@ class AIS(MixingCorrector):
             c_low=c_low,
             noise_to_signal=noise_to_signal,
             momentum=momentum,
+            ppo_epochs=ppo_epochs,
+            mini_batches=mini_batches,
             use_entropy=use_entropy,
             use_reliability=use_reliability,
             lambda_min=lambda_min,

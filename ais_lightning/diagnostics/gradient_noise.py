@@ -14,7 +14,8 @@ The optimizer does not apply one batch's gradient: Adam's first moment is an exp
 the step gradients. Over that average the independent noise of successive batches shrinks by
 ``averaged_noise_factor(beta1)`` (``ais_lightning.correctors.ais``, re-exported here) while a bias that
 persists from step to step (the rollout's mismatch) does not, so the noise-to-signal ratio of the update
-is ``φ · averaged_noise_factor(beta1)``: what AIS v2 uses with ``momentum = beta1``.
+is ``φ · averaged_noise_factor(beta1)``: what AIS v2 uses with ``momentum = beta1`` (and with the
+trainer's ``ppo_epochs`` and ``mini_batches`` when a rollout batch takes several optimizer steps).
 """
 
 from __future__ import annotations

@@ -162,6 +162,9 @@ def test_zero_or_missing_advantages_use_the_unweighted_chi2(example_b):
         ({"momentum": 0.0}, LAMBDA_B_ONE_STEP),  # one batch's gradient: no averaging
         ({"momentum": 0.5}, BIAS_B / (BIAS_B + CHI2_B / 3.0)),  # (1 - 0.5) / (1 + 0.5) = 1/3
         ({"momentum": 0.0, "noise_to_signal": 4.0}, BIAS_B / (BIAS_B + 4.0 * CHI2_B)),
+        ({"mini_batches": 4}, BIAS_B / (BIAS_B + 4.0 * ADAM * CHI2_B)),  # each step sees a quarter: 4/19
+        ({"momentum": 0.0, "mini_batches": 2}, BIAS_B / (BIAS_B + 2.0 * CHI2_B)),  # one half-batch step
+        ({"momentum": 0.5, "ppo_epochs": 2}, BIAS_B / (BIAS_B + 0.5 * CHI2_B)),  # reused twice: 1/3 -> 1/2
         ({"lambda_max": 0.5}, 0.5),
         ({"lambda_min": 0.99}, 0.99),
     ],
@@ -366,6 +369,8 @@ def test_severity_recovers_the_logit_noise_variance():
         ({"momentum": 1.0}, "momentum"),
         ({"momentum": -0.1}, "momentum"),
         ({"momentum": True}, "momentum"),
+        ({"ppo_epochs": 0}, "ppo_epochs"),
+        ({"mini_batches": 2.0}, "mini_batches"),
         ({"use_entropy": 1}, "use_entropy"),
         ({"use_reliability": "yes"}, "use_reliability"),
         ({"lambda_min": 0.6, "lambda_max": 0.4}, "lambda_min"),

@@ -76,6 +76,52 @@ def test_averaged_noise_factor_matches_a_simulated_exponential_average():
     assert float(m.mean()) == pytest.approx(bias, abs=4 * (averaged_noise_factor(beta1) / chains) ** 0.5)
 
 
+def test_averaged_noise_factor_closed_forms_with_several_steps_per_batch():
+    # m mini-batches, one epoch: every step sees a fresh 1/m of the data, variance m per step, so m (1-b)/(1+b)
+    assert averaged_noise_factor(0.9, 1, 4) == pytest.approx(4 / 19, rel=1e-12)
+    assert averaged_noise_factor(0.5, 1, 2) == pytest.approx(2 / 3, rel=1e-12)
+    # no momentum: m_k is the step's own gradient, a mini-batch of 1/m of the batch (any number of epochs)
+    assert averaged_noise_factor(0.0, 3, 2) == pytest.approx(2.0, rel=1e-12)
+    assert averaged_noise_factor(0.0, 2, 1) == pytest.approx(1.0, rel=1e-12)
+    # two epochs of one step, b = 1/2: the batch's noise enters two consecutive steps. Read at its first
+    # step m = (1/2)(x_0 + (1/2 + 1/4) x_1 + ...), at its second (1/2)((1 + 1/2) x_0 + (1/4 + 1/8) x_1 + ...);
+    # every older batch's coefficient is b^2 times the next one's, so the sums of squares are 1/4 (1 + 9/16 * 1/(1 - 1/16))
+    # = 1/4 * 8/5 and 1/4 (9/4 + 9/64 * 16/15) = 1/4 * 12/5, whose mean is 1/2
+    assert averaged_noise_factor(0.5, 2, 1) == pytest.approx(0.5, rel=1e-12)
+
+
+@pytest.mark.parametrize(("beta1", "epochs", "minis"), [(0.9, 2, 1), (0.9, 3, 2), (0.5, 2, 4), (0.9, 1, 4)])
+def test_averaged_noise_factor_matches_a_simulated_ppo_schedule(beta1, epochs, minis):
+    # the trainer's schedule (update_policy): per rollout batch, `epochs` passes, each a fresh shuffle of the
+    # rows into `minis` mini-batches, one Adam step per mini-batch on the mini-batch's mean
+    gen = torch.Generator().manual_seed(1)
+    chains, rows = 20000, 8
+    per = rows // minis
+    m = torch.zeros(chains, dtype=torch.float64)
+    batches = 1 + int(25 / ((1 - beta1) * epochs * minis))  # beta1^(2 steps) ~ e^-50: stationary
+    reads = []
+    for batch in range(batches):
+        noise = torch.randn(chains, rows, generator=gen, dtype=torch.float64) * rows**0.5  # batch mean: var 1
+        for _ in range(epochs):
+            shuffled = (
+                noise
+                if minis == 1
+                else noise.gather(1, torch.rand(chains, rows, generator=gen).argsort(dim=1))
+            )
+            for mb in range(minis):
+                m = beta1 * m + (1 - beta1) * shuffled[:, mb * per : (mb + 1) * per].mean(dim=1)
+                if batch == batches - 1:
+                    reads.append(float(m.var()))
+    simulated = sum(reads) / len(reads)  # the mean over the steps of one batch, as lambda serves them all
+    assert simulated == pytest.approx(averaged_noise_factor(beta1, epochs, minis), rel=0.05)
+
+
+@pytest.mark.parametrize(("epochs", "minis"), [(0, 1), (1, 0), (1.5, 1), (True, 1)])
+def test_averaged_noise_factor_refuses_bad_step_counts(epochs, minis):
+    with pytest.raises(ValueError, match="ppo_epochs|mini_batches"):
+        averaged_noise_factor(0.9, epochs, minis)
+
+
 @pytest.mark.parametrize("beta1", [-0.1, 1.0, 1.5])
 def test_averaged_noise_factor_refuses_beta1_outside_0_1(beta1):
     with pytest.raises(ValueError, match="beta1"):

@@ -50,7 +50,7 @@ def test_every_corrector_option_builds(name):
     assert type(c.loss).__name__ == ("TBPOLoss" if name == "qarl" else "GRPOLoss")
 
 
-def test_ais_reads_beta1_from_the_trainers_adamw():
+def test_ais_reads_beta1_and_the_steps_per_batch_from_the_trainer():
     # AIS v2 scores the update AdamW applies: its first moment averages the noise by (1 - b1) / (1 + b1)
     import inspect
 
@@ -69,6 +69,15 @@ def test_ais_reads_beta1_from_the_trainers_adamw():
     assert validate(make("corrector=ais", "corrector.momentum=0.0")).corrector.params.momentum == 0.0
     one_step = validate(make("corrector=ais_one_step")).corrector.params
     assert one_step.momentum == 0.0 and one_step.update_noise_to_signal == 1.0
+    # and its steps per rollout batch: epochs reuse the batch, mini-batches split it (averaged_noise_factor)
+    split = validate(
+        make("corrector=ais", "algorithm.ppo_epochs=2", "algorithm.mini_batches=4")
+    ).corrector.params
+    assert (split.ppo_epochs, split.mini_batches) == (2, 4)
+    assert split.update_noise_to_signal == pytest.approx(averaged_noise_factor(0.9, 2, 4), rel=1e-15)
+    assert split.update_noise_to_signal > 4 / 19  # reuse correlates the averaged noise
+    one_split = validate(make("corrector=ais_one_step", "algorithm.mini_batches=4")).corrector.params
+    assert one_split.update_noise_to_signal == pytest.approx(4.0)  # one quarter-batch step
 
 
 @pytest.mark.parametrize("bad", ["[0.9]", "[1.0,0.999]", "[-0.1,0.999]"])

@@ -266,8 +266,16 @@ def check_tracking_uri(
             raise ValueError(f"{where} answered /health with HTTP {response.status}{hint}")
     elif uri.startswith("sqlite:///"):
         check_writable(Path(uri.removeprefix("sqlite:///")).parent, key)
-    elif "://" not in uri or uri.startswith("file:"):
+    elif _is_file_store(uri):
         _check_file_store(uri, where)
+
+
+def _is_file_store(uri: str) -> bool:
+    """``file:...`` or a plain path (``./mlruns``, ``C:\\runs``); not ``databricks`` or another scheme."""
+    from urllib.parse import urlparse
+
+    scheme = urlparse(uri).scheme
+    return scheme == "file" or (len(scheme) <= 1 and not uri.startswith("databricks"))
 
 
 def _check_file_store(uri: str, where: str) -> None:

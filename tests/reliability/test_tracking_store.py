@@ -32,6 +32,18 @@ def test_an_allowed_file_store_and_a_plain_path_pass(tmp_path: Path, monkeypatch
     check_tracking_uri(LoggerSettings(tracking_uri=str(tmp_path / "b")), str(tmp_path))
 
 
+@pytest.mark.skipif(
+    not hasattr(mlflow_env, "MLFLOW_ALLOW_FILE_STORE"),
+    reason="this MLflow accepts file stores unconditionally",
+)
+def test_a_relative_path_is_a_file_store_and_other_schemes_are_not_opened(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="logger.tracking_uri=mlruns is a file store"):
+        check_tracking_uri(LoggerSettings(tracking_uri="mlruns"), str(tmp_path))
+    check_tracking_uri(LoggerSettings(tracking_uri="databricks"), str(tmp_path))  # not a path: left to MLflow
+
+
 def test_other_loggers_open_no_store(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
     check_tracking_uri(LoggerSettings(name="csv", tracking_uri=f"file://{tmp_path}"), str(tmp_path))

@@ -28,12 +28,8 @@ Every ``ais-train`` override is accepted; the default is the paper protocol's FP
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
-import tempfile
-import time
 from typing import Any
 
 import torch
@@ -90,29 +86,11 @@ def _probe_class() -> type:
 
 def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]:
     """φ and the quantities behind it for the composed config (``--batches`` rollout batches, fixed weights)."""
-    import lightning as L
-
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
     from ais_lightning.diagnostics.gradient_noise import gradient_noise_scale
-    from ais_lightning.noise import silence_known_noise
-    from ais_lightning.trainer import measuring_trainer
+    from ais_lightning.trainer import run_probe
 
-    silence_known_noise()
-    cfg = compose_train_config([*overrides, f"seed={seed}", "output_dir=unused"])
-    c = validate(cfg)
-    if c.trainer.strategy != "auto":
-        raise ValueError("gradient_noise runs one process (trainer.strategy=auto)")
-    if c.trainer.num_threads:
-        torch.set_num_threads(c.trainer.num_threads)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    policy, warm = c.initial_policy(cfg.seed)  # ais-train's starting weights (its cached warm start)
-    probe = c.grpo_module(policy, cfg.seed, module_class=_probe_class(), validation=False)
-    data = c.prompt_data(batches, cfg.seed)
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="gradient_noise_") as root:
-        max_steps = batches * c.algorithm.optimizer_steps_per_rollout
-        measuring_trainer(root, max_steps, c.trainer.precision).fit(probe, datamodule=data)
+    run = run_probe(overrides, batches, seed, _probe_class(), "gradient_noise")
+    c, probe, warm = run.components, run.probe, run.warm
     noise = gradient_noise_scale(torch.stack(probe.unit_grads))  # [U, P]
     groups_per_batch = c.algorithm.prompts_per_step
     phi = noise.noise_to_signal(groups_per_batch)
@@ -133,7 +111,7 @@ def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]
         "noise_to_signal_averaged": phi
         * averaged_noise_factor(c.algorithm.betas[0], c.algorithm.ppo_epochs, c.algorithm.mini_batches),
         "unit_mean_rel_error": probe.unit_mean_error,
-        "seconds": time.perf_counter() - started,
+        "seconds": run.seconds,
     }
 
 
@@ -168,22 +146,10 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "overrides", nargs="*", help=f"ais-train overrides (default: {' '.join(DEFAULT_OVERRIDES)})"
-    )
-    parser.add_argument("--batches", type=int, default=8, help="rollout batches at fixed weights (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="the run's seed (prompts and sampling)")
-    parser.add_argument("--json", help="write the numbers here")
-    args = parser.parse_args(argv)
-    if args.batches < 1:
-        parser.error(f"--batches must be >= 1, got {args.batches}")
-    result = measure(args.overrides or DEFAULT_OVERRIDES, args.batches, args.seed)
-    print(format_result(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    from ais_lightning.trainer import probe_main
+
+    description = __doc__.split("\n\n")[0]
+    return probe_main(argv, description, DEFAULT_OVERRIDES, 8, measure, format_result)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,23 @@ def run_probe(overrides: list[str], batches: int, seed: int, module_class: type,
     return ProbeRun(c, probe, warm, time.perf_counter() - started)
 
 
+def probe_experience(module: Any, batch: dict[str, list]) -> tuple[Any, float]:
+    """One rollout batch of a :func:`run_probe` module: ``(experience, mismatch KL k3)``.
+
+    Collects the batch's experience as ``GRPOModule.training_step`` does (rollout, rewards, π_old, the
+    corrector) and reads and resets the module's mismatch metric. Raises if the batch has non-finite
+    log-probs: there is nothing to measure.
+    """
+    from ais_lightning.tasks import task_fields
+
+    exp, _ = module.collect_experience(batch["prompt"], task_fields(batch))
+    kl = float(module.mismatch.compute()["mismatch/kl_k3"])
+    module.mismatch.reset()
+    if exp is None:
+        raise RuntimeError("non-finite log-probs in a rollout batch: nothing to measure")
+    return exp, kl
+
+
 def probe_main(
     argv: list[str] | None,
     description: str,

@@ -41,6 +41,7 @@ DEFAULT_OVERRIDES = ["experiment=paper_small", "rollout=fp4"]
 
 def _probe_class() -> type:
     from ais_lightning.modules.grpo import GRPOModule
+    from ais_lightning.trainer import probe_experience
 
     class GradientProbe(GRPOModule):
         """GRPOModule whose training step records per-group gradients and leaves the weights as they are."""
@@ -53,12 +54,8 @@ def _probe_class() -> type:
             self.unit_mean_error = 0.0
 
         def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
-            fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
-            exp, _ = self.collect_experience(batch["prompt"], fields)
-            self.kl.append(float(self.mismatch.compute()["mismatch/kl_k3"]))
-            self.mismatch.reset()
-            if exp is None:
-                raise RuntimeError("non-finite log-probs in a rollout batch: nothing to measure")
+            exp, kl = probe_experience(self, batch)
+            self.kl.append(kl)
             params = [p for p in self.policy.parameters() if p.requires_grad]
 
             def flat_grad(part: Any) -> torch.Tensor:  # [P]

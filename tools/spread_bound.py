@@ -47,6 +47,7 @@ def _probe_class() -> type:
     )
     from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.policy.policy import build_sequences
+    from ais_lightning.trainer import probe_experience
 
     spread_index = AIS_STATISTICS.index("sum_spread")
 
@@ -65,12 +66,8 @@ def _probe_class() -> type:
             self.kl: list[float] = []  # the batches' mismatch KL (k3)
 
         def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
-            fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
-            exp, _ = self.collect_experience(batch["prompt"], fields)
-            if exp is None:
-                raise RuntimeError("non-finite log-probs in a rollout batch: nothing to measure")
-            self.kl.append(float(self.mismatch.compute()["mismatch/kl_k3"]))
-            self.mismatch.reset()
+            exp, kl = probe_experience(self, batch)
+            self.kl.append(kl)
             rollout, mask = exp.rollout, exp.rollout.response_mask  # mask: [B, T]
             temperature = self.sampling.temperature
             ids, attention, positions = build_sequences(
@@ -86,7 +83,7 @@ def _probe_class() -> type:
                 ]  # [B, T, V]: predicts each response token
                 bound, collision = token_spreads(logits, temperature)  # [B, T] each
                 pipeline = self.policy.batch_logprobs(rollout, temperature, compute_entropy=True).entropy
-            entropy = -torch.log1p(-bound)  # [B, T]
+            entropy = ops.entropy_from_logits(logits, temperature)  # [B, T], the pipeline's formula
             self.entropy_error = max(
                 self.entropy_error, float((entropy - pipeline.double())[mask].abs().max())
             )

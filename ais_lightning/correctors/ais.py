@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ais_lightning import ops
+from ais_lightning.checks import check_int
 from ais_lightning.correctors.base import Corrector, RawCorrection
 from ais_lightning.correctors.distributed import all_reduce_sum
 
@@ -121,13 +122,6 @@ def check_flag(value: Any, name: str) -> bool:
     return value
 
 
-def check_steps(value: Any, name: str) -> int:
-    """``value`` as an int >= 1, else ValueError starting with ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def averaged_noise_factor(beta1: float, ppo_epochs: int = 1, mini_batches: int = 1) -> float:
     """The variance of Adam's first moment ``m_k = β1 m_{k-1} + (1 - β1) g_k`` due to the noise of the
     rollout batches, in units of one whole batch's gradient variance, averaged over the optimizer steps.
@@ -151,9 +145,10 @@ def averaged_noise_factor(beta1: float, ppo_epochs: int = 1, mini_batches: int =
     """
     if isinstance(beta1, bool) or not isinstance(beta1, (int, float)) or not 0.0 <= beta1 < 1.0:
         raise ValueError(f"momentum (beta1) must be in [0, 1), got {beta1!r}")
-    epochs = check_steps(ppo_epochs, "ppo_epochs")
-    m = check_steps(mini_batches, "mini_batches")
-    b, k_steps = float(beta1), epochs * m
+    check_int(ppo_epochs, "ppo_epochs")
+    check_int(mini_batches, "mini_batches")
+    b, epochs, m = float(beta1), ppo_epochs, mini_batches
+    k_steps = epochs * m
     if k_steps == 1:
         return (1.0 - b) / (1.0 + b)
 

@@ -36,7 +36,7 @@ from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, Token
 from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
 from ais_lightning.policy import Policy
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
-from ais_lightning.tasks import Task, safe_rewards
+from ais_lightning.tasks import Task, safe_rewards, task_fields
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 """Builds an engine from an unsharded copy of the policy's model."""
@@ -475,7 +475,7 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         prompts = batch["prompt"]
-        fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
+        fields = task_fields(batch)
         stage = self.apply_precision_schedule()
         exp, stats = self.collect_experience(prompts, fields)
         stats.update(stage)
@@ -536,7 +536,7 @@ class GRPOModule(LightningModule):
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy accuracy with the engine's precision and with the trainer's precision."""
         prompts = batch["prompt"]
-        fields = {k: v for k, v in batch.items() if k not in ("prompt", "solution")}
+        fields = task_fields(batch)
         greedy = SamplingConfig(
             n=1,
             temperature=0.0,

@@ -18,7 +18,7 @@ from ais_lightning.tasks.base import (
     to_ascii,
 )
 from ais_lightning.tasks.countdown import Countdown
-from ais_lightning.tasks.datamodule import PromptDataModule, PromptStream, collate_samples
+from ais_lightning.tasks.datamodule import PromptDataModule, PromptStream, collate_samples, task_fields
 from ais_lightning.tasks.gsm8k import GSM8K
 from ais_lightning.tasks.sudoku4 import Sudoku4
 
@@ -39,5 +39,6 @@ __all__ = [
     "get_task",
     "register_task",
     "safe_rewards",
+    "task_fields",
     "to_ascii",
 ]

@@ -30,6 +30,15 @@ MAX_DISJOINT_ATTEMPTS = 1000
 """Redraws of a train sample whose prompt collides with a val prompt before giving up."""
 
 
+RESERVED_KEYS = ("prompt", "solution")
+"""Keys of a collated batch that are not task fields."""
+
+
+def task_fields(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A collated batch's task fields (what ``Task.reward`` receives besides prompts and completions)."""
+    return {k: v for k, v in batch.items() if k not in RESERVED_KEYS}
+
+
 def collate_samples(samples: Sequence[TaskSample]) -> dict[str, list[Any]]:
     """Batch of samples as lists: ``{"prompt": [...], "solution": [...], <field>: [...]}``.
 
@@ -41,7 +50,7 @@ def collate_samples(samples: Sequence[TaskSample]) -> dict[str, list[Any]]:
     for sample in samples:
         if list(sample.fields) != keys:
             raise ValueError(f"samples have different fields: {keys} vs {list(sample.fields)}")
-    for reserved in ("prompt", "solution"):
+    for reserved in RESERVED_KEYS:
         if reserved in keys:
             raise ValueError(f"a task field may not be called {reserved!r}")
     batch: dict[str, list[Any]] = {

@@ -11,10 +11,12 @@ w_t = exp(delta_t), advantage A_t and trainer entropy H_t:
   b_t = w_t 1[c_low <= w_t <= C] (``base="mis"``, c_low = 1/C by default); token weight
   (1 - lambda) + lambda b_t: lambda = 0 is "none", lambda = 1 the base corrector.
 - divergence severity  beta = 2 D / G  with D = sum_t k3_t / N (k3_t = w_t - 1 - delta_t, the k3
-  estimate of KL(mu || pi) per token) and G = sum_t (1 - exp(-H_t)) / N, an upper bound of the
-  policy's collision impurity 1 - sum_a pi(a)^2 (1 without entropy). If the rollout's error acts
-  like independent noise of variance sigma^2 on the logits, D = sigma^2 G / 2 to second order, so
-  beta estimates sigma^2: the relative systematic bias of the uncorrected gradient. The same D
+  estimate of KL(mu || pi) per token) and G = sum_t g_t / N, g_t the trainer's collision impurity
+  1 - sum_a pi(a)^2 at token t (``spread="impurity"``, the default, when the caller passes it; else
+  its upper bound 1 - exp(-H_t) from the entropy, ``spread="entropy_bound"``; 1 without either).
+  If the rollout's error acts like independent noise of variance sigma^2 on the logits,
+  D = sigma^2 G / 2 to second order, so beta estimates sigma^2: the relative systematic bias of
+  the uncorrected gradient. The same D
   is a larger beta when the policy is concentrated (small G): "exploration early, bias later".
 - weight reliability  R = max(0, 1 - se^2 / D^2), se the response-clustered standard error of D:
   the share of the plug-in beta^2 that is not sampling noise, R beta^2 being the unbiased estimate
@@ -53,6 +55,10 @@ from ais_lightning.correctors.distributed import all_reduce_sum
 BASES = ("tis", "mis")
 """The importance-weighted end of the mix: token-level truncated IS or token-level masked IS."""
 
+SPREADS = ("impurity", "entropy_bound")
+"""The policy's spread G per token: its collision impurity 1 - sum_a pi(a)^2 (exact, needs the trainer's
+full next-token distribution) or the upper bound 1 - exp(-H) of it from the entropy H."""
+
 SPREAD_FLOOR = 1e-6
 """Lower bound of the spread G (an entropy below ~1e-6 nats is a deterministic policy)."""
 
@@ -63,8 +69,8 @@ AIS_STATISTICS = (
     "sum_response_k3_sq",  # sum_s (sum_{t in s} k3_t)^2
     "sum_response_k3_len",  # sum_s (sum_{t in s} k3_t) n_s
     "sum_response_len_sq",  # sum_s n_s^2
-    "sum_spread",  # sum_t (1 - exp(-H_t))  (0 without entropy)
-    "num_entropy",  # N with entropy, else 0
+    "sum_spread",  # sum_t g_t, g_t = 1 - sum_a pi(a)^2, else 1 - exp(-H_t)  (0 without either)
+    "num_entropy",  # N with impurity or entropy, else 0
     "sum_adv_sq",  # sum_t A_t^2  (0 without advantages)
     "sum_dev_sq_adv_sq",  # sum_t (b_t - 1)^2 A_t^2
     "num_adv",  # N with advantages, else 0
@@ -243,6 +249,7 @@ class MixingCorrector(Corrector):
         base: torch.Tensor,
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        impurity: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The float64 vector of sums over this rank's valid tokens.  # [K]"""
         raise NotImplementedError
@@ -271,9 +278,10 @@ class MixingCorrector(Corrector):
         mask: torch.Tensor,
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        impurity: torch.Tensor | None = None,
     ) -> RawCorrection:
         base, clipped = self.base_weights(delta, mask)  # [B, T] float32, [B, T] bool
-        stats = all_reduce_sum(self.statistics(delta, mask, base, advantages, entropy))  # [K]
+        stats = all_reduce_sum(self.statistics(delta, mask, base, advantages, entropy, impurity))  # [K]
         coef = self.coefficient(stats)
         lam = self.applied_lambda(coef)
         lam32 = lam.float()
@@ -304,6 +312,7 @@ class AISParams:
     momentum: float
     ppo_epochs: int
     mini_batches: int
+    spread: str
     use_entropy: bool
     use_reliability: bool
     lambda_min: float
@@ -328,6 +337,8 @@ class AISParams:
             raise ValueError(f"noise_to_signal must be a finite number >= 0, got {phi!r}")
         set_(self, "noise_to_signal", float(phi))
         averaged_noise_factor(self.momentum, self.ppo_epochs, self.mini_batches)  # validates all three
+        if self.spread not in SPREADS:
+            raise ValueError(f"spread must be one of {SPREADS}, got {self.spread!r}")
         set_(self, "momentum", float(self.momentum))
         check_flag(self.use_entropy, "use_entropy")
         check_flag(self.use_reliability, "use_reliability")
@@ -375,6 +386,7 @@ def ais_sufficient_statistics(
     base: torch.Tensor,
     advantages: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    impurity: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sums over valid tokens and responses from which ``ais_coefficient`` computes lambda.  # [K] float64
 
@@ -384,6 +396,8 @@ def ais_sufficient_statistics(
         base: ``[B, T]`` base weights b_t (``ais_base_weights``).
         advantages: optional ``[B]`` (broadcast to tokens) or ``[B, T]`` advantages.
         entropy: optional ``[B, T]`` trainer token entropy in nats.
+        impurity: optional ``[B, T]`` trainer collision impurity 1 - sum_a pi(a)^2: the spread G
+            when given; else the bound 1 - exp(-H) from ``entropy``; else no spread (G = 1).
 
     Returns the float64 vector named by ``AIS_STATISTICS``. The sum of the vectors of disjoint
     batches (or ranks) is the vector of their union (responses are never split across ranks).
@@ -406,7 +420,10 @@ def ais_sufficient_statistics(
         (resp_k3 * resp_len).sum(),
         resp_len.square().sum(),
     ]
-    if entropy is not None:
+    if impurity is not None:
+        spread = impurity.detach().double().clamp(0.0, 1.0)  # [B, T], 1 - sum_a pi(a)^2
+        parts += [ops.masked_sum(spread, mask), n_tok]
+    elif entropy is not None:
         spread = -torch.expm1(-entropy.detach().double().clamp(min=0.0))  # [B, T], 1 - exp(-H)
         parts += [ops.masked_sum(spread, mask), n_tok]
     else:
@@ -428,7 +445,7 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
     with ``use_entropy=False``), ``reliability`` R (as measured, also when switched off),
     ``variance_amplification`` V = 1 + chi2_A, ``bias_sq`` = R beta^2 (beta^2 when R is switched
     off), ``variance_excess`` = a phi chi2_A (a phi = ``params.update_noise_to_signal``), ``kl_k3`` D,
-    ``kl_k3_se`` se(D) and ``spread`` G (as measured, 1 without entropy). Nothing valid: lambda = lambda_min and every value finite.
+    ``kl_k3_se`` se(D) and ``spread`` G (as measured, 1 without impurity and entropy). Nothing valid: lambda = lambda_min and every value finite.
     """
     if stats.shape != (NUM_AIS_STATISTICS,):
         raise ValueError(
@@ -490,9 +507,10 @@ class AIS(MixingCorrector):
     optimizer step per rollout batch; ``averaged_noise_factor`` in general). Formulas
     in the module docstring, derivation and assumptions in ``docs/ais.md``. If ``torch.distributed`` is initialized the sufficient statistics
     are all-reduced (SUM) first, so every rank uses the lambda of the global batch; every rank must
-    then call the corrector. Pass ``advantages`` and ``entropy`` (the trainer's, in nats): without
-    entropy the spread is taken as 1 (the least severe reading), without advantages the variance
-    is unweighted.
+    then call the corrector. Pass ``advantages`` and ``impurity`` (or at least ``entropy``, in nats;
+    both the trainer's): the spread G is the mean impurity, else its upper bound 1 - exp(-H) (a
+    larger G, a smaller severity), else 1 (the least severe reading); without advantages the
+    variance is unweighted.
 
     Args:
         c: upper bound C >= 1 of the base weight (TIS truncation, MIS acceptance).
@@ -516,6 +534,10 @@ class AIS(MixingCorrector):
             sees 1/mini_batches of the batch, so its noise is that many times one batch's.
             ``averaged_noise_factor(momentum, ppo_epochs, mini_batches)`` is the factor a (1/19 at the
             defaults).
+        spread: ``"impurity"`` (the default): G is the trainer's mean collision impurity
+            1 - sum_a pi(a)^2, the quantity the severity's derivation calls for (docs/ais.md section
+            3), when ``impurity`` is passed, else the entropy bound; ``"entropy_bound"``: always the
+            bound 1 - exp(-H) (AIS v2 as first released; 1.5x to 2.3x the impurity on our tasks).
         use_entropy: measure the severity against the policy's spread G (False: G = 1).
         use_reliability: multiply beta^2 by the reliability R (False: R = 1).
         lambda_min: lower clamp of lambda, in [0, 1].
@@ -528,6 +550,7 @@ class AIS(MixingCorrector):
     """
 
     logged = AIS_COMPONENTS[1:]
+    uses_impurity = True
 
     def __init__(
         self,
@@ -539,6 +562,7 @@ class AIS(MixingCorrector):
         momentum: float = 0.9,
         ppo_epochs: int = 1,
         mini_batches: int = 1,
+        spread: str = "impurity",
         use_entropy: bool = True,
         use_reliability: bool = True,
         lambda_min: float = 0.0,
@@ -555,6 +579,7 @@ class AIS(MixingCorrector):
             momentum=momentum,
             ppo_epochs=ppo_epochs,
             mini_batches=mini_batches,
+            spread=spread,
             use_entropy=use_entropy,
             use_reliability=use_reliability,
             lambda_min=lambda_min,
@@ -571,8 +596,11 @@ class AIS(MixingCorrector):
         base: torch.Tensor,
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        impurity: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return ais_sufficient_statistics(delta, mask, base, advantages=advantages, entropy=entropy)
+        return ais_sufficient_statistics(
+            delta, mask, base, advantages, entropy, impurity if self.params.spread == "impurity" else None
+        )
 
     def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
         return ais_coefficient(stats, self.params)

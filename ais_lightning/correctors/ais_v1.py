@@ -278,6 +278,7 @@ class AISv1(MixingCorrector):
         base: torch.Tensor,
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        impurity: torch.Tensor | None = None,  # v1 measures its severity against the mean entropy
     ) -> torch.Tensor:
         return ais_v1_sufficient_statistics(
             delta, mask, self.params.c, advantages=advantages, entropy=entropy

@@ -90,6 +90,8 @@ class Corrector(nn.Module):
 
     needs_logprobs: bool = False
     """Whether ``correct`` needs ``logprobs=(train_logprobs, rollout_logprobs)`` besides ``delta``."""
+    uses_impurity: bool = False
+    """Whether ``correct`` takes ``impurity=`` (the trainer's ``[B, T]`` collision impurity, or None)."""
 
     def correct(
         self,
@@ -108,6 +110,7 @@ class Corrector(nn.Module):
         mask: torch.Tensor,
         advantages: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        impurity: torch.Tensor | None = None,
     ) -> CorrectionOutput:
         """Correct one batch.
 
@@ -117,9 +120,12 @@ class Corrector(nn.Module):
             mask: ``[B, T]`` bool, True on valid response tokens.
             advantages: optional ``[B]`` or ``[B, T]`` advantages (for correctors that use them).
             entropy: optional ``[B, T]`` trainer token entropy in nats (for correctors that use it).
+            impurity: optional ``[B, T]`` trainer collision impurity ``1 - sum_a pi(a)^2`` of each
+                position's next-token distribution (``ops.impurity_from_logits``; the policy's
+                ``batch_logprobs(..., compute_entropy=True).impurity``), for correctors that use it.
         """
         ops.check_logprob_inputs(
-            train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
+            train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy, impurity=impurity
         )
         delta = ops.log_ratio(train_logprobs, rollout_logprobs, mask)  # [B, T] float32
         return self.from_log_ratio(
@@ -129,6 +135,7 @@ class Corrector(nn.Module):
             entropy=entropy,
             train_logprobs=train_logprobs,
             rollout_logprobs=rollout_logprobs,
+            impurity=impurity,
         )
 
     def from_log_ratio(
@@ -139,15 +146,19 @@ class Corrector(nn.Module):
         entropy: torch.Tensor | None = None,
         train_logprobs: torch.Tensor | None = None,
         rollout_logprobs: torch.Tensor | None = None,
+        impurity: torch.Tensor | None = None,
     ) -> CorrectionOutput:
         """Correct one batch from an already validated log-ratio (no input checks).
 
         ``delta`` is ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)`` (``[B, T]``, clamped,
         0 on masked tokens): a caller that feeds the same batch to the diagnostics computes it once.
         ``train_logprobs``/``rollout_logprobs`` are needed only by correctors with ``needs_logprobs``
-        (a rule on probabilities, not their ratio); pass them whenever you have them.
+        (a rule on probabilities, not their ratio); pass them whenever you have them, and ``impurity``
+        likewise (read by correctors with ``uses_impurity``).
         """
-        extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        extra: dict[str, object] = {}
+        if self.uses_impurity:
+            extra["impurity"] = None if impurity is None else impurity.detach()
         if self.needs_logprobs:
             if train_logprobs is None or rollout_logprobs is None:
                 raise ValueError(

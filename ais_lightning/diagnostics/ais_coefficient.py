@@ -60,6 +60,7 @@ class _SummedStatisticMetric(Metric):
         mask: torch.Tensor,
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        impurity: torch.Tensor | None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -71,6 +72,7 @@ class _SummedStatisticMetric(Metric):
         advantages: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         log_ratio: torch.Tensor | None = None,
+        impurity: torch.Tensor | None = None,
     ) -> None:
         """Accumulate the sufficient statistics of one batch (same arguments as a corrector call).
 
@@ -79,10 +81,15 @@ class _SummedStatisticMetric(Metric):
         """
         if log_ratio is None:
             ops.check_logprob_inputs(
-                train_logprobs, rollout_logprobs, mask, advantages=advantages, entropy=entropy
+                train_logprobs,
+                rollout_logprobs,
+                mask,
+                advantages=advantages,
+                entropy=entropy,
+                impurity=impurity,
             )
             log_ratio = ops.log_ratio(train_logprobs, rollout_logprobs, mask)
-        batch = self._batch_statistics(log_ratio.float(), mask, advantages, entropy)  # [K]
+        batch = self._batch_statistics(log_ratio.float(), mask, advantages, entropy, impurity)  # [K]
         self.stats += batch.to(self.stats.dtype)
 
 
@@ -108,9 +115,10 @@ class AISCoefficient(_SummedStatisticMetric):
             )
         self.params = ais_params() if params is None else params
 
-    def _batch_statistics(self, delta, mask, advantages, entropy) -> torch.Tensor:
+    def _batch_statistics(self, delta, mask, advantages, entropy, impurity) -> torch.Tensor:
         base, _ = ais_base_weights(delta, mask, self.params)  # [B, T]
-        return ais_sufficient_statistics(delta, mask, base, advantages=advantages, entropy=entropy)
+        impurity = impurity if self.params.spread == "impurity" else None
+        return ais_sufficient_statistics(delta, mask, base, advantages, entropy, impurity)
 
     def compute(self) -> torch.Tensor:
         """The chosen component from the accumulated sums (0-dim float64)."""
@@ -137,7 +145,7 @@ class AISv1Coefficient(_SummedStatisticMetric):
             )
         self.params = ais_v1_params() if params is None else params
 
-    def _batch_statistics(self, delta, mask, advantages, entropy) -> torch.Tensor:
+    def _batch_statistics(self, delta, mask, advantages, entropy, impurity) -> torch.Tensor:
         return ais_v1_sufficient_statistics(
             delta, mask, self.params.c, advantages=advantages, entropy=entropy
         )

@@ -338,7 +338,7 @@ class GRPOModule(LightningModule):
         with torch.no_grad():
             t1 = time.perf_counter()
             pi_old = self.policy.batch_logprobs(batch, self.sampling.temperature, compute_entropy=True)
-            train_lp, entropy = pi_old.logprobs, pi_old.entropy  # [B, T] each
+            train_lp, entropy, impurity = pi_old.logprobs, pi_old.entropy, pi_old.impurity  # [B, T] each
             logprob_time = time.perf_counter() - t1
 
         stats = {
@@ -361,7 +361,13 @@ class GRPOModule(LightningModule):
         # delta = log pi_old - log mu, once: the corrector and every mismatch metric read it.
         delta = ops.log_ratio(train_lp, batch.rollout_logprobs, mask)  # [B, T]
         self.mismatch.update(
-            train_lp, batch.rollout_logprobs, mask, advantages=advantages, entropy=entropy, log_ratio=delta
+            train_lp,
+            batch.rollout_logprobs,
+            mask,
+            advantages=advantages,
+            entropy=entropy,
+            log_ratio=delta,
+            impurity=impurity,
         )
         self.entropy_metric.update(entropy, mask)
         self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
@@ -373,6 +379,7 @@ class GRPOModule(LightningModule):
             entropy=entropy,
             train_logprobs=train_lp,
             rollout_logprobs=batch.rollout_logprobs,
+            impurity=impurity,
         )
         stats.update(correction.stats)
         exp = Experience(batch, rewards, advantages, train_lp, correction.weights, correction.mask & mask)

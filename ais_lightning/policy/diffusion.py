@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from ais_lightning.policy.policy import (
+    LogprobTensors,
     Policy,
     ResponseLogprobs,
     _is_fsdp_module,
@@ -216,14 +217,15 @@ def _score_positions(
     temperature: float,
     compute_entropy: bool,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> LogprobTensors:
     """Body once over ``input_ids`` ``[N, L]``, then the chunked head on the ``score_mask`` positions:
-    ``(logprobs [N, L], entropy [N, L] | None)`` of ``targets`` under ``softmax(logits / temperature)``."""
+    ``(logprobs, entropy | None, impurity | None)``, ``[N, L]`` each, of ``targets`` under
+    ``softmax(logits / temperature)``."""
     hidden = model.get_decoder()(input_ids, attention_mask, position_ids)  # [N, L, H]
     out = chunked_response_logprobs(
         model.get_output_embeddings(), hidden, targets, score_mask, temperature, compute_entropy, chunk_size
     )
-    return out.logprobs, out.entropy
+    return out.logprobs, out.entropy, out.impurity
 
 
 def _check_sequences(prompt_ids, prompt_mask, response_ids, response_mask) -> None:
@@ -326,7 +328,7 @@ class DiffusionPolicy(Policy):
         return engine
 
     # ------------------------------------------------------------------ scoring
-    def _scores_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    def _scores_fn(self) -> Callable[..., LogprobTensors]:
         fn = getattr(self.model, _FSDP_FORWARD_METHOD, None)
         if fn is not None:
             return fn
@@ -349,9 +351,9 @@ class DiffusionPolicy(Policy):
         temperature: float = 1.0,
         compute_entropy: bool = False,
         chunk_size: int = 1024,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of ``targets`` at the ``score_mask`` positions of the partially masked
-        sequences ``input_ids`` ``[N, L]``: ``([N, L], [N, L] | None)``, 0 elsewhere. Plain tensors, so FSDP
+    ) -> LogprobTensors:
+        """Log-probs (and entropies, impurities) of ``targets`` at the ``score_mask`` positions of the partially
+        masked sequences ``input_ids`` ``[N, L]``: ``([N, L], [N, L] | None, [N, L] | None)``, 0 elsewhere. Plain tensors, so FSDP
         hooks see them; :meth:`batch_logprobs` and :meth:`sft_loss` build the inputs."""
         return self._scores_fn()(
             input_ids,
@@ -416,7 +418,9 @@ class DiffusionPolicy(Policy):
         plen = prompt_ids.shape[1]
         if not bool(response_mask.any()):
             zeros = torch.zeros((b, t), dtype=torch.float32, device=canvas.device)
-            return ResponseLogprobs(logprobs=zeros, entropy=zeros.clone() if compute_entropy else None)
+            if not compute_entropy:
+                return ResponseLogprobs(logprobs=zeros, entropy=None)
+            return ResponseLogprobs(logprobs=zeros, entropy=zeros.clone(), impurity=zeros.clone())
         contexts, rows, which = path_contexts(canvas, steps, response_mask, self.mask_token_id)  # [N, T]
         n = rows.numel()
         input_ids = torch.cat([prompt_ids[rows], contexts], dim=1)  # [N, P+T]
@@ -428,7 +432,7 @@ class DiffusionPolicy(Policy):
         rows_s, cols_s = response_mask.nonzero(as_tuple=True)
         score[which[rows_s, cols_s], plen + cols_s] = True
         targets[which[rows_s, cols_s], plen + cols_s] = canvas[rows_s, cols_s]
-        lp, ent = self(
+        lp, ent, imp = self(
             input_ids,
             attention,
             positions,
@@ -441,8 +445,10 @@ class DiffusionPolicy(Policy):
         index = torch.where(response_mask, which, 0)  # [B, T]
         col = torch.arange(t, device=canvas.device)[None, :] + plen  # [1, T]
         logprobs = torch.where(response_mask, lp[index, col.expand(b, t)], 0.0)  # [B, T]
-        entropy = torch.where(response_mask, ent[index, col.expand(b, t)], 0.0) if ent is not None else None
-        return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+        if ent is None or imp is None:
+            return ResponseLogprobs(logprobs=logprobs, entropy=None)
+        entropy, impurity = (torch.where(response_mask, x[index, col.expand(b, t)], 0.0) for x in (ent, imp))
+        return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)  # [B, T] each
 
     # ---------------------------------------------------------------------- SFT
     def sft_canvas(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -487,7 +493,7 @@ class DiffusionPolicy(Policy):
         positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
         targets = torch.cat([prompt_ids, canvas], dim=1)  # [B, P+T']
         score = torch.cat([torch.zeros_like(prompt_mask), masked], dim=1)  # [B, P+T']
-        lp, _ = self(input_ids, attention, positions, targets, score, 1.0, False, self.logprob_chunk_size)
+        lp, _, _ = self(input_ids, attention, positions, targets, score, 1.0, False, self.logprob_chunk_size)
         return masked_diffusion_loss(lp[:, plen:], masked, answer, p_mask)
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ais_lightning.ops import entropy_from_logits, logprobs_from_logits, masked_mean
+from ais_lightning.ops import entropy_from_logits, impurity_from_logits, logprobs_from_logits, masked_mean
 
 if TYPE_CHECKING:
     from ais_lightning.rollout.base import RolloutBatch
@@ -44,6 +44,14 @@ class ResponseLogprobs:
     entropy: torch.Tensor | None
     """``[B, T]`` float32 entropy (nats) of the temperature-processed next-token distribution; 0 where masked.
     None unless ``compute_entropy=True``."""
+    impurity: torch.Tensor | None = None
+    """``[B, T]`` float32 collision impurity ``1 - sum_a pi(a)^2`` of the same distribution
+    (``ops.impurity_from_logits``); 0 where masked. None unless ``compute_entropy=True``."""
+
+
+LogprobTensors = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+"""``(logprobs, entropy, impurity)`` ``[B, T]`` each, as a policy's forward returns them (FSDP and DDP hooks
+see plain tensors): :class:`ResponseLogprobs`'s fields in order."""
 
 
 def check_aligned_quantization(recipe: str) -> None:
@@ -143,12 +151,14 @@ def build_sequences(
 
 def _head_logprobs(
     lm_head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, compute_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """lm_head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] -> ([n], [n])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lm_head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] -> log-probs,
+    entropies and impurities, each [n] (zeros unless ``compute_entropy``)."""
     logits = lm_head(hidden)  # [n, V]
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
-    entropy = entropy_from_logits(logits, temperature) if compute_entropy else torch.zeros_like(logprobs)
-    return logprobs, entropy
+    if not compute_entropy:
+        return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
+    return logprobs, entropy_from_logits(logits, temperature), impurity_from_logits(logits, temperature)
 
 
 def chunked_response_logprobs(
@@ -174,20 +184,23 @@ def chunked_response_logprobs(
     flat_hidden = hidden[response_mask]  # [N, H]
     flat_tokens = response_ids[response_mask]  # [N]
     use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
-    logprob_chunks, entropy_chunks = [], []
+    chunks: list[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ] = []  # (log-prob, entropy, impurity) [n] each
     for h, tok in zip(flat_hidden.split(chunk_size), flat_tokens.split(chunk_size)):
         if use_checkpoint:
-            lp, ent = checkpoint(
-                _head_logprobs, lm_head, h, tok, temperature, compute_entropy, use_reentrant=False
+            chunks.append(
+                checkpoint(_head_logprobs, lm_head, h, tok, temperature, compute_entropy, use_reentrant=False)
             )
         else:
-            lp, ent = _head_logprobs(lm_head, h, tok, temperature, compute_entropy)
-        logprob_chunks.append(lp)
-        entropy_chunks.append(ent)
+            chunks.append(_head_logprobs(lm_head, h, tok, temperature, compute_entropy))
     zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
-    logprobs = zeros.masked_scatter(response_mask, torch.cat(logprob_chunks))  # [B, T]
-    entropy = zeros.masked_scatter(response_mask, torch.cat(entropy_chunks)) if compute_entropy else None
-    return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+    logprobs, entropy, impurity = (
+        zeros.masked_scatter(response_mask, torch.cat(parts)) for parts in zip(*chunks)
+    )  # [B, T] each
+    if not compute_entropy:
+        return ResponseLogprobs(logprobs=logprobs, entropy=None)
+    return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -255,7 +268,7 @@ def _decoder_logprobs(
     temperature: float,
     compute_entropy: bool,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> LogprobTensors:
     """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
     P = input_ids.shape[1] - response_ids.shape[1]
     out = _decoder_body(model)(
@@ -266,7 +279,7 @@ def _decoder_logprobs(
         model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
         temperature, compute_entropy, chunk_size,
     )  # fmt: skip
-    return result.logprobs, result.entropy
+    return result.logprobs, result.entropy, result.impurity
 
 
 class Policy(nn.Module):
@@ -432,7 +445,7 @@ class Policy(nn.Module):
             config, dtype=dtype, attn_implementation=config._attn_implementation
         )
 
-    def _logprobs_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    def _logprobs_fn(self) -> Callable[..., LogprobTensors]:
         """The decoder + chunked-head computation, registered as an FSDP2 forward method of ``self.model``
         when that is sharded, so its parameters are gathered and its backward hooks attach to the outputs."""
         fn = getattr(self.model, _FSDP_FORWARD_METHOD, None)
@@ -456,8 +469,9 @@ class Policy(nn.Module):
         temperature: float = 1.0,
         compute_entropy: bool = False,
         chunk_size: int = 1024,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(logprobs, entropy)`` as plain tensors (so FSDP/DDP hooks see them); see :meth:`response_logprobs`."""
+    ) -> LogprobTensors:
+        """``(logprobs, entropy, impurity)`` as plain tensors (so FSDP/DDP hooks see them; the last two None
+        unless ``compute_entropy``); see :meth:`response_logprobs`."""
         input_ids, attention_mask, position_ids = build_sequences(
             prompt_ids, prompt_mask, response_ids, response_mask
         )
@@ -483,10 +497,10 @@ class Policy(nn.Module):
         so the ``[B, T, V]`` logits never fully exist. Gradients flow to the model (use ``torch.no_grad()``
         for pi_old).
         """
-        logprobs, entropy = self(
+        logprobs, entropy, impurity = self(
             prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size
         )
-        return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+        return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
 
     def batch_logprobs(
         self, batch: RolloutBatch, temperature: float = 1.0, compute_entropy: bool = False

@@ -16,6 +16,7 @@ CORRECTORS = {
     "ais": (AIS, dict(c=1.5, noise_to_signal=0.5, momentum=0.5, ema_decay=0.5)),
     "ais_default": (AIS, {}),
     "ais_mis": (AIS, dict(base="mis", c=1.5, c_low=0.6)),
+    "ais_entropy_bound": (AIS, dict(spread="entropy_bound")),
     "ais_v1": (AISv1, dict(c=1.5, kappa=0.5, alpha=1.5, beta=0.7, ema_decay=0.5)),
 }
 """Name -> (class, kwargs) of every corrector the test runs on both ranks."""
@@ -38,6 +39,8 @@ def make_shard(scenario: str, rank: int, step: int) -> dict[str, torch.Tensor]:
         "mask": mask,
         "advantages": torch.randn(b, generator=gen),
         "entropy": torch.rand(b, LENGTH, generator=gen) * 2.0,
+        "impurity": torch.rand(b, LENGTH, generator=gen)
+        * 0.8,  # below its bound 1 - exp(-H) or not: any [0, 1)
     }
 
 

@@ -134,6 +134,93 @@ def test_without_entropy_the_spread_is_one(example_b):
     assert off.stats["ais/spread"] == pytest.approx(0.5)
 
 
+def test_impurity_is_the_spread_when_given(example_b):
+    # Example B with the impurity g = 0.25 everywhere (entropy ln 2 as before, whose bound is 0.5):
+    # G = 0.25, beta = 2 D / 0.25 = 2 BETA_B, bias_sq = 4 BIAS_B = 4.9869232,
+    # lambda = 4.9869232 / (4.9869232 + 0.3125 / 19) = 0.9967127.
+    train, rollout, mask, adv, ent = example_b
+    imp = torch.full(mask.shape, 0.25)
+    bias = 4.0 * BIAS_B
+    assert bias == pytest.approx(4.9869232, abs=1e-6)
+    lam = bias / (bias + ADAM * CHI2_B)
+    assert lam == pytest.approx(0.9967127, abs=1e-6)
+    out = AIS()(train, rollout, mask, advantages=adv, entropy=ent, impurity=imp)
+    assert out.stats["ais/spread"] == pytest.approx(0.25, rel=1e-6)
+    assert out.stats["ais/severity"] == pytest.approx(2 * BETA_B, rel=1e-6)
+    assert out.stats["ais/bias_sq"] == pytest.approx(bias, rel=1e-6)
+    assert out.stats["ais/lambda"] == pytest.approx(lam, rel=1e-6)
+    # Without entropy the impurity still serves; padded positions do not count (0.9 there changes nothing).
+    padded = torch.where(mask, imp, torch.full_like(imp, 0.9))
+    alone = AIS()(train, rollout, mask, advantages=adv, impurity=padded)
+    assert alone.stats["ais/lambda"] == pytest.approx(lam, rel=1e-6)
+    # spread="entropy_bound" ignores the impurity: example B's values (G = 1 - exp(-ln 2) = 0.5).
+    bound = AIS(spread="entropy_bound")(train, rollout, mask, advantages=adv, entropy=ent, impurity=imp)
+    assert bound.stats["ais/spread"] == pytest.approx(0.5, rel=1e-6)
+    assert bound.stats["ais/lambda"] == pytest.approx(LAMBDA_B, rel=1e-6)
+    # The default without impurity falls back to the bound, and use_entropy=False still means G = 1.
+    fallback = AIS()(train, rollout, mask, advantages=adv, entropy=ent)
+    assert fallback.stats["ais/lambda"] == pytest.approx(LAMBDA_B, rel=1e-6)
+    off = AIS(use_entropy=False)(train, rollout, mask, advantages=adv, entropy=ent, impurity=imp)
+    assert off.stats["ais/severity"] == pytest.approx(2 * D_B, rel=1e-6)
+
+
+def test_from_log_ratio_hands_the_impurity_to_ais_only(example_b):
+    train, rollout, mask, adv, ent = example_b
+    imp = torch.full(mask.shape, 0.25)
+    delta = log_ratio(train, rollout, mask)
+    out = AIS().from_log_ratio(delta, mask, advantages=adv, entropy=ent, impurity=imp)
+    assert out.stats["ais/spread"] == pytest.approx(0.25, rel=1e-6)
+    # Correctors that do not read it accept it and give what they give without it.
+    for corrector in (TIS(), AISv1()):
+        with_imp = corrector.from_log_ratio(delta, mask, advantages=adv, entropy=ent, impurity=imp)
+        without = corrector.from_log_ratio(delta, mask, advantages=adv, entropy=ent)
+        assert torch.equal(with_imp.weights, without.weights) and with_imp.stats == without.stats
+
+
+def test_a_misshapen_impurity_is_named(example_b):
+    train, rollout, mask, adv, ent = example_b
+    with pytest.raises(ValueError, match="impurity"):
+        AIS()(train, rollout, mask, advantages=adv, impurity=torch.zeros(2, 2))
+
+
+def test_bad_spread_is_named():
+    with pytest.raises(ValueError, match="spread must be one of"):
+        AIS(spread="entropy")
+
+
+@pytest.mark.parametrize(
+    "probs, want",
+    [
+        ([0.25, 0.25, 0.25, 0.25], 0.75),  # uniform over V = 4: 1 - 1/4
+        ([0.75, 0.25, 0.0, 0.0], 0.375),  # 1 - (9/16 + 1/16)
+        ([1.0, 0.0, 0.0, 0.0], 0.0),  # deterministic
+    ],
+)
+def test_impurity_from_logits_by_hand(probs, want):
+    from ais_lightning.ops import impurity_from_logits
+
+    logits = torch.tensor(probs).log()  # -inf for 0: softmax gives the probabilities back
+    assert float(impurity_from_logits(logits)) == pytest.approx(want, abs=1e-7)
+    # temperature 2 squares the odds' root: p ~ sqrt(probs)
+    root = torch.tensor(probs).sqrt()
+    tempered = root / root.sum()
+    assert float(impurity_from_logits(logits, 2.0)) == pytest.approx(
+        float(1 - tempered.square().sum()), abs=1e-7
+    )
+
+
+def test_impurity_keeps_its_digits_for_a_peaked_policy():
+    # logits (30, 0, 0, 0): eps = 3 e^-30 / (1 + 3 e^-30) off the top token, impurity = 2 eps - (4/3) eps^2
+    # = 5.6e-13; 1 - sum p^2 in float32 rounds it to 0.
+    from ais_lightning.ops import impurity_from_logits
+
+    eps = 3 * math.exp(-30) / (1 + 3 * math.exp(-30))
+    got = float(impurity_from_logits(torch.tensor([30.0, 0.0, 0.0, 0.0])))
+    assert got == pytest.approx(2 * eps - 4 / 3 * eps**2, rel=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        impurity_from_logits(torch.zeros(3), 0.0)
+
+
 def test_advantages_weight_the_variance(example_b):
     # A = [2, 1] per response: A^2 = [4, 4 | 1, 1]; chi2_A = (0*4 + 1*4 + 0.25*1 + 0*1) / 10 = 0.425.
     train, rollout, mask, _, ent = example_b

@@ -25,7 +25,7 @@ def global_batch(worker, scenario: str, step: int) -> dict[str, torch.Tensor]:
     return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
 
 
-@pytest.mark.parametrize("name", ["ais", "ais_default", "ais_mis", "ais_v1"])
+@pytest.mark.parametrize("name", ["ais", "ais_default", "ais_mis", "ais_entropy_bound", "ais_v1"])
 def test_ranks_see_different_local_lambdas(worker, name):
     """Without the all-reduce the ranks would disagree, so the slow test below can fail."""
     local = [

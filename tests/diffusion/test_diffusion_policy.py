@@ -56,7 +56,7 @@ def test_path_logprobs_and_entropy_match_a_token_by_token_replay(policy):
     for b in range(canvas.shape[0]):
         for t in range(canvas.shape[1]):
             if not batch.response_mask[b, t]:
-                assert out.logprobs[b, t] == 0 and out.entropy[b, t] == 0
+                assert out.logprobs[b, t] == 0 and out.entropy[b, t] == 0 and out.impurity[b, t] == 0
                 continue
             context = canvas[b].clone()
             context[step[b] >= step[b, t]] = MASK  # the token itself and everything unmasked later
@@ -68,6 +68,7 @@ def test_path_logprobs_and_entropy_match_a_token_by_token_replay(policy):
                 )
             torch.testing.assert_close(out.logprobs[b, t], logp[canvas[b, t]], rtol=0, atol=1e-5)
             torch.testing.assert_close(out.entropy[b, t], -(logp.exp() * logp).sum(), rtol=0, atol=1e-5)
+            torch.testing.assert_close(out.impurity[b, t], 1 - logp.exp().square().sum(), rtol=0, atol=1e-6)
             checked += 1
     assert checked == int(batch.response_mask.sum())
 

@@ -112,6 +112,27 @@ def test_logged_lambda_diagnostic_is_the_lambda_ais_uses():
     torch.testing.assert_close(metrics["mismatch/ais_lambda"], metrics["ais/lambda"], rtol=1e-5, atol=1e-7)
 
 
+class RecordingAIS(AIS):
+    """AIS that keeps what the module hands its statistics (the spread's inputs)."""
+
+    def statistics(self, delta, mask, base, advantages, entropy, impurity=None):
+        self.seen = (mask.clone(), entropy.clone(), impurity.clone())
+        return super().statistics(delta, mask, base, advantages, entropy, impurity)
+
+
+def test_ais_measures_its_spread_with_the_trainers_impurity():
+    """The module passes the trainer's collision impurity (not only the entropy): ais/spread is its mean
+    over valid tokens, below the entropy bound 1 - exp(-H) token by token."""
+    module = _module(engine_factory=lambda m: TorchRolloutEngine(m, precision="fp4"))
+    module.corrector = RecordingAIS()
+    metrics = _fit(module).callback_metrics
+    mask, entropy, impurity = module.corrector.seen
+    assert bool(mask.any())
+    assert torch.all(impurity[mask] > 0) and torch.all(impurity[mask] < -torch.expm1(-entropy[mask]))
+    want = impurity[mask].double().mean()
+    torch.testing.assert_close(metrics["ais/spread"].double(), want, rtol=1e-6, atol=0)
+
+
 def test_nonfinite_rollout_logprobs_skip_the_update_but_count_as_a_step():
     """No weight changes, yet the step counts toward max_steps (an empty optimizer step): a run of bad
     steps still ends instead of looping forever."""

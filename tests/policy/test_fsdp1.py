@@ -69,7 +69,7 @@ def _worker(rank: int, port: int) -> None:
         # rank0_only (FSDP1's offload_to_cpu + rank0_only) is not run here: on a CPU-only FSDP1 it
         # crashes the process (SIGSEGV in torch 2.13), a path no GPU run takes.
         # The root's first forward still works: no wrapped layer was initialised as a root.
-        lp, _ = root(*_batch())
+        lp, _, _ = root(*_batch())
         torch.testing.assert_close(lp.detach(), ref_lp, rtol=0, atol=1e-5)
         again = dict(policy.full_state_dict(fsdp_root=root))  # and after it
         assert all(torch.equal(again[n], reference[n]) for n in reference)

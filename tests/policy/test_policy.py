@@ -25,7 +25,8 @@ def make_batch(seed: int = 0):
 
 
 def naive_padded(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature):
-    """Full [B, P+T, V] logits with cumsum positions, log_softmax, gather; entropy -(p log p).sum."""
+    """Full [B, P+T, V] logits with cumsum positions, log_softmax, gather; entropy -(p log p).sum,
+    impurity 1 - (p^2).sum (in float64)."""
     ids = torch.cat([prompt_ids, response_ids], 1)
     attn = torch.cat([prompt_mask, response_mask], 1).long()
     pos = torch.clamp(torch.cumsum(attn, 1) - 1, min=0)
@@ -34,8 +35,9 @@ def naive_padded(model, prompt_ids, prompt_mask, response_ids, response_mask, te
     logp = torch.log_softmax(logits[:, P - 1 : P + T - 1].double() / temperature, -1)  # [B, T, V]
     lp = logp.gather(-1, response_ids[..., None])[..., 0]
     ent = -(logp.exp() * logp).sum(-1)
+    imp = 1.0 - logp.exp().square().sum(-1)
     zero = torch.zeros((), dtype=lp.dtype)
-    return torch.where(response_mask, lp, zero), torch.where(response_mask, ent, zero)
+    return tuple(torch.where(response_mask, x, zero) for x in (lp, ent, imp))
 
 
 def naive_unpadded_row(model, prompt, response, temperature):
@@ -89,13 +91,17 @@ def test_logprobs_and_entropy_match_naive(model, temperature, chunk_size):
         out = Policy(model).response_logprobs(
             *batch, temperature=temperature, compute_entropy=True, chunk_size=chunk_size
         )
-        ref_lp, ref_ent = naive_padded(model, *batch, temperature)
-    assert out.logprobs.dtype == out.entropy.dtype == torch.float32
-    assert out.logprobs.shape == out.entropy.shape == batch[2].shape
+        ref_lp, ref_ent, ref_imp = naive_padded(model, *batch, temperature)
+    assert out.logprobs.dtype == out.entropy.dtype == out.impurity.dtype == torch.float32
+    assert out.logprobs.shape == out.entropy.shape == out.impurity.shape == batch[2].shape
     assert (out.logprobs.double() - ref_lp).abs().max() < 1e-5
     assert (out.entropy.double() - ref_ent).abs().max() < 1e-5
+    assert (out.impurity.double() - ref_imp).abs().max() < 1e-6
     mask = batch[3]
     assert torch.all(out.logprobs[~mask] == 0) and torch.all(out.entropy[~mask] == 0)
+    assert torch.all(out.impurity[~mask] == 0)
+    # The impurity is below its entropy bound 1 - exp(-H) (Jensen: sum p^2 = E[p] >= exp(E[log p])).
+    assert torch.all(out.impurity[mask] <= -torch.expm1(-out.entropy[mask]) + 1e-6)
     assert torch.all(out.logprobs[mask] < 0)
     # Uniform over 99 tokens bounds the entropy; a random init is close to it.
     assert torch.all(out.entropy[mask] <= torch.log(torch.tensor(99.0)) + 1e-5)
@@ -116,7 +122,8 @@ def test_padding_and_positions_match_each_row_alone(model, temperature):
 
 
 def test_entropy_off_by_default(model):
-    assert Policy(model).response_logprobs(*make_batch()).entropy is None
+    out = Policy(model).response_logprobs(*make_batch())
+    assert out.entropy is None and out.impurity is None
 
 
 def test_gradients_match_naive_and_chunks_bound_the_head():
@@ -132,7 +139,7 @@ def test_gradients_match_naive_and_chunks_bound_the_head():
     assert calls[:3] == [4, 4, 1] and sorted(calls[3:]) == [1, 4, 4]
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    ref_lp, ref_ent = naive_padded(model, *batch, 0.7)
+    ref_lp, ref_ent, _ = naive_padded(model, *batch, 0.7)
     (ref_lp.sum() + 0.1 * ref_ent.sum()).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name

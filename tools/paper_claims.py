@@ -161,12 +161,30 @@ def history_at(history: dict, step: float) -> tuple[float, float, int]:
     return _stat({}, "point")
 
 
+def corrector_label(group: dict, precision: str, corrector: str) -> str:
+    """The row's corrector option, followed by ``key=value`` for each other group key the row sets (a report
+    grouped by more than precision and corrector, e.g. ``--group-by rollout,corrector,corrector.spread``
+    over runs of two forms of one corrector); rows that leave such a key unset keep the plain name."""
+    extra = [
+        f"{k}={v}"
+        for k, v in group.items()
+        if k not in (precision, corrector, "algorithm") and v not in (None, "", "-")
+    ]
+    name = str(group.get(corrector))
+    return f"{name} ({', '.join(extra)})" if extra else name
+
+
+def is_ais(label: str) -> bool:
+    """Whether a row label names AIS v2 (``ais``, or ``ais (key=value...)``), not ``ais_v1`` and the like."""
+    return label == "ais" or label.startswith("ais (")
+
+
 def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_gain") -> str:
     precision, corrector = reference_keys(list(report["rows"][0]["group"]) if report["rows"] else [])
     baseline = (report.get("baseline") or {}).get("precision", "fp32")
     # the paper's claims are about GRPO with a corrector: other algorithms (Sol-RL) in the store are left out
     grpo = [r for r in report["rows"] if r["group"].get("algorithm", "grpo") == "grpo"]
-    rows = {(r["group"].get(precision), r["group"].get(corrector)): r for r in grpo}
+    rows = {(r["group"].get(precision), corrector_label(r["group"], precision, corrector)): r for r in grpo}
     base = rows.get((baseline, "none"))
     if base is None:
         raise ValueError(f"report has no {baseline} / none row (the full-precision baseline)")
@@ -225,18 +243,19 @@ def claims_markdown(report: dict, lambda_key: str, metric: str = "val_accuracy_g
         "| precision | AIS | best of none/TIS/MIS | AIS - best | paired by seed (pairs) |",
         "|---|---|---|---|---|",
     ]
-    for p in precisions:
-        if (p, "ais") not in rows:
+    for (p, c), row in sorted(rows.items()):
+        if p == baseline or not is_ais(c):
             continue
-        ais = _stat(rows[(p, "ais")], metric)
-        others = [(c, _stat(rows[(p, c)], metric)) for c in ("none", "tis", "mis") if (p, c) in rows]
+        ais = _stat(row, metric)
+        others = [(o, _stat(rows[(p, o)], metric)) for o in ("none", "tis", "mis") if (p, o) in rows]
         if not others:
             continue
         best_name, best = max(others, key=lambda t: t[1][0])
         d, se = diff_with_se(ais, best)
-        paired = _paired(paired_diff(rows[(p, "ais")], rows[(p, best_name)], metric))
+        paired = _paired(paired_diff(row, rows[(p, best_name)], metric))
+        name = p if c == "ais" else f"{p}, {c}"
         out.append(
-            f"| {p} | {_fmt(ais[0])} | {best_name} {_fmt(best[0])} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} |"
+            f"| {name} | {_fmt(ais[0])} | {best_name} {_fmt(best[0])} | {_fmt(d)} ± {_fmt(se, '.3f')} | {paired} |"
         )
 
     out += ["", "### 4. Over training: first vs last quarter of the steps", ""]

@@ -401,3 +401,15 @@ def test_gap_recovered_over_the_seeds_a_row_shares(tmp_path, capsys):
     out = _claims(tmp_path, capsys, {"rows": [base, none, ais]})
     (line,) = [ln for ln in out.splitlines() if "| ais |" in ln]
     assert line.endswith("| 0.70 |")
+
+
+def test_rows_of_two_forms_of_one_corrector_stay_apart(tmp_path, capsys):
+    """A report grouped by a third key (AIS with two spreads): the row that sets it is labelled with it,
+    the one that leaves it unset keeps the plain name, and both are scored against the best of none/TIS/MIS."""
+    rows = [{**r, "group": {**r["group"], "corrector.spread": None}} for r in REPORT["rows"]]
+    exact = _row("fp8", "ais", 0.17, 0.02, 600)
+    exact["group"]["corrector.spread"] = "impurity"
+    out = _claims(tmp_path, capsys, {"rows": [*rows, exact]})
+    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 |" in out  # the plain row, as before
+    assert "| fp8, ais (corrector.spread=impurity) | +0.170 | mis +0.160 | +0.010 ± 0.020 |" in out
+    assert "| ais (corrector.spread=impurity) | +0.170 ± 0.020 |" in out  # section 2: its own row

@@ -33,6 +33,7 @@ def test_measures_the_pipelines_own_tokens_and_the_bound_is_above_the_exact_spre
     result = tool.measure(["experiment=smoke", "trainer.num_threads=1", "rollout=fp4"], batches=2, seed=0)
     assert result["tokens"] > 0
     assert result["entropy_max_abs_error"] < 1e-4, "the tool scores the distribution the corrector sees"
+    assert result["impurity_max_abs_error"] < 1e-5, "the pipeline's impurity is the exact spread"
     assert result["spread_entropy_bound"] >= result["spread_collision"] > 0
     assert result["bound_over_collision"] >= 1.0
     assert result["mismatch_kl_k3"] > 0, "fp4 rollouts of an fp32 policy mismatch"

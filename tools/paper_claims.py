@@ -369,13 +369,13 @@ def _curve(history: dict, positive: bool = False) -> dict[str, list[float]]:
 
 
 def lambda_rows(report: dict, lambda_key: str, corrector: str) -> list[tuple[str, dict]]:
-    """(precision, row) of the GRPO rows whose corrector is ``corrector`` and that have a finite
+    """(precision, row) of the GRPO rows labelled ``corrector`` (``corrector_label``) that have a finite
     ``lambda_key`` history, sorted by precision. The other rows of that corrector are named on stderr;
     ValueError (naming ``--lambda-corrector`` and ``--lambda-key``) when no row qualifies."""
     rows = report.get("rows") or []
     precision, corrector_key = reference_keys(list(rows[0]["group"]) if rows else [])
     grpo = [r for r in rows if r["group"].get("algorithm", "grpo") == "grpo"]
-    picked = [r for r in grpo if r["group"].get(corrector_key) == corrector]
+    picked = [r for r in grpo if corrector_label(r["group"], precision, corrector_key) == corrector]
     out = []
     for row in picked:
         name = row["group"].get(precision, "?")
@@ -387,7 +387,7 @@ def lambda_rows(report: dict, lambda_key: str, corrector: str) -> list[tuple[str
                 file=sys.stderr,
             )
     if not out:
-        correctors = sorted({str(r["group"].get(corrector_key)) for r in grpo})
+        correctors = sorted({corrector_label(r["group"], precision, corrector_key) for r in grpo})
         keys = sorted({k for r in picked for k in r.get("histories", {})})
         raise ValueError(
             f"--lambda-plot: no GRPO row with corrector {corrector!r} (--lambda-corrector) has a "
@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lambda-corrector",
         default="ais",
-        help="corrector whose rows --lambda-plot draws, one line per precision (default %(default)s)",
+        help="corrector whose rows --lambda-plot draws, one line per precision (default %(default)s); a row "
+        "of a report grouped by a third key is named with it, e.g. 'ais (corrector.spread=impurity)'",
     )
     args = parser.parse_args(argv)
     try:

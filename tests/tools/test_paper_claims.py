@@ -413,3 +413,14 @@ def test_rows_of_two_forms_of_one_corrector_stay_apart(tmp_path, capsys):
     assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 |" in out  # the plain row, as before
     assert "| fp8, ais (corrector.spread=impurity) | +0.170 | mis +0.160 | +0.010 ± 0.020 |" in out
     assert "| ais (corrector.spread=impurity) | +0.170 ± 0.020 |" in out  # section 2: its own row
+
+
+def test_lambda_rows_pick_one_form_of_a_corrector():
+    """With two AIS forms in one report, --lambda-corrector names the form: its rows only, per precision."""
+    exact = _lambda_row("fp4", "ais", lam=[0.95, 0.96, 0.97, 0.98])
+    exact["group"]["corrector.spread"] = "impurity"
+    report = {**LAMBDA_REPORT, "rows": [*LAMBDA_REPORT["rows"], exact]}
+    tool = _load()
+    picked = tool.lambda_rows(report, "ais_lambda", "ais (corrector.spread=impurity)")
+    assert [(p, row["histories"]["ais_lambda"]["mean"][0]) for p, row in picked] == [("fp4", 0.95)]
+    assert [p for p, _ in tool.lambda_rows(report, "ais_lambda", "ais")] == ["fp4", "int8"]  # sorted by name

@@ -352,6 +352,11 @@ class AISParams:
         (``(1 - momentum) / (1 + momentum)`` with one optimizer step per rollout batch)."""
         return self.noise_to_signal * averaged_noise_factor(self.momentum, self.ppo_epochs, self.mini_batches)
 
+    def spread_impurity(self, impurity: torch.Tensor | None) -> torch.Tensor | None:
+        """The impurity the spread is measured with: ``impurity`` under ``spread="impurity"``, else None
+        (``ais_sufficient_statistics`` then takes the entropy bound)."""
+        return impurity if self.spread == "impurity" else None
+
     @property
     def lower(self) -> float | None:
         """The lower bound of the base weight: ``c_low`` (TIS: None = none; MIS: None = 1/C)."""
@@ -599,7 +604,7 @@ class AIS(MixingCorrector):
         impurity: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return ais_sufficient_statistics(
-            delta, mask, base, advantages, entropy, impurity if self.params.spread == "impurity" else None
+            delta, mask, base, advantages, entropy, self.params.spread_impurity(impurity)
         )
 
     def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:

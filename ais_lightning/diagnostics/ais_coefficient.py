@@ -117,7 +117,7 @@ class AISCoefficient(_SummedStatisticMetric):
 
     def _batch_statistics(self, delta, mask, advantages, entropy, impurity) -> torch.Tensor:
         base, _ = ais_base_weights(delta, mask, self.params)  # [B, T]
-        impurity = impurity if self.params.spread == "impurity" else None
+        impurity = self.params.spread_impurity(impurity)
         return ais_sufficient_statistics(delta, mask, base, advantages, entropy, impurity)
 
     def compute(self) -> torch.Tensor:

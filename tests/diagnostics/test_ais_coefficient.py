@@ -77,6 +77,22 @@ def test_default_metric_equals_the_default_corrector_and_accepts_a_precomputed_l
     assert float(shared.compute()) == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.parametrize("spread", ["impurity", "entropy_bound"])
+def test_v2_metric_reads_the_impurity_as_the_corrector_does(spread):
+    """With an impurity the metric's lambda is the corrector's, for either spread; the two spreads differ."""
+    train, rollout, mask, adv, ent = batch(3, 16)
+    imp = torch.rand(train.shape, generator=torch.Generator().manual_seed(4)) * 0.3
+    metric = AISCoefficient(params=ais_params(spread=spread))
+    metric.update(train, rollout, mask, advantages=adv, entropy=ent, impurity=imp)
+    out = AIS(spread=spread)(train, rollout, mask, advantages=adv, entropy=ent, impurity=imp)
+    assert float(metric.compute()) == pytest.approx(out.stats["ais/lambda"], rel=1e-9)
+    other = "entropy_bound" if spread == "impurity" else "impurity"
+    lam_other = AIS(spread=other)(train, rollout, mask, advantages=adv, entropy=ent, impurity=imp).stats[
+        "ais/lambda"
+    ]
+    assert lam_other != pytest.approx(out.stats["ais/lambda"], rel=1e-3)
+
+
 def test_values_differ_between_batches_so_the_tests_above_can_fail():
     for cls in (AISCoefficient, AISv1Coefficient):
         a, b = cls(), cls()

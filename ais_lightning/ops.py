@@ -169,26 +169,34 @@ def logprobs_from_logits(
     return picked - torch.logsumexp(scaled, dim=-1)
 
 
-def _tempered_log_softmax(logits: torch.Tensor, temperature: float, what: str) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` in fp32.  # [..., V]"""
+def tempered_log_softmax(logits: torch.Tensor, temperature: float, what: str = "log-probs") -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` in fp32 (``what`` names the caller in the error).  # [..., V]"""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for {what}, got {temperature}")
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` in nats, computed in fp32.  # [...]"""
-    logp = _tempered_log_softmax(logits, temperature, "entropy")  # [..., V]
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of the distribution with log-probabilities ``logp`` ``[..., V]``.  # [...]"""
     return -(logp.exp() * logp).sum(-1)
 
 
-def impurity_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Collision (Gini) impurity ``1 - sum_a pi(a)^2`` of ``pi = softmax(logits / temperature)``.  # [...]
+def impurity_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Collision (Gini) impurity ``1 - sum_a pi(a)^2`` of the distribution with log-probabilities ``logp``.  # [...]
 
     The chance that two independent draws from pi differ: 0 for a deterministic policy, 1 - 1/V for a
     uniform one. Computed as ``sum_a pi(a) (1 - pi(a))`` with ``1 - pi = -expm1(log pi)``, which keeps
     its digits when one token holds almost all the mass (``1 - sum pi^2`` in fp32 would round to 0
     below ~1e-7). AIS v2 measures the rollout's mismatch against it (docs/ais.md section 3).
     """
-    logp = _tempered_log_softmax(logits, temperature, "impurity")  # [..., V]
     return (logp.exp() * -torch.expm1(logp)).sum(-1).clamp(0.0, 1.0)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` in nats, computed in fp32.  # [...]"""
+    return entropy_from_logprobs(tempered_log_softmax(logits, temperature, "entropy"))
+
+
+def impurity_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``impurity_from_logprobs`` of ``softmax(logits / temperature)``, computed in fp32.  # [...]"""
+    return impurity_from_logprobs(tempered_log_softmax(logits, temperature, "impurity"))

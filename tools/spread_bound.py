@@ -9,7 +9,8 @@ peaked tokens over-states G and under-states β. This tool draws
 start, its rollout engine and sampling; ``ais_lightning.trainer.run_probe``) and, for every valid
 response token, computes both spreads from the trainer's full next-token distribution. It prints,
 pooled over the batches: the two spreads and their ratio, β both ways, and AIS v2's λ both ways (the
-corrector's own sufficient statistics with the spread sum replaced; the trainer's β1 and schedule).
+corrector's own sufficient statistics from the pipeline's entropy or impurity; the trainer's β1 and
+schedule).
 It checks that its entropy and impurity equal the pipeline's (the same distribution is scored).
 
     python tools/spread_bound.py experiment=paper_small rollout=fp4 --batches 4
@@ -40,7 +41,6 @@ def token_spreads(logits: torch.Tensor, temperature: float = 1.0) -> tuple[torch
 def _probe_class() -> type:
     from ais_lightning import ops
     from ais_lightning.correctors.ais import (
-        AIS_STATISTICS,
         ais_base_weights,
         ais_coefficient,
         ais_params,
@@ -49,8 +49,6 @@ def _probe_class() -> type:
     from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.policy.policy import build_sequences
     from ais_lightning.trainer import probe_experience
-
-    spread_index = AIS_STATISTICS.index("sum_spread")
 
     class SpreadProbe(GRPOModule):
         """GRPOModule whose training step scores the spread of every valid token and leaves the weights."""
@@ -100,10 +98,12 @@ def _probe_class() -> type:
                 exp.train_logprobs, rollout.rollout_logprobs, mask
             )  # [B, T], as the corrector's
             base, _ = ais_base_weights(delta, mask, self.params)
-            stats = ais_sufficient_statistics(delta, mask, base, advantages=exp.advantages, entropy=pipeline)
-            self.lambdas["bound"].append(float(ais_coefficient(stats, self.params)["lambda"]))
-            stats[spread_index] = collision[mask].sum()
-            self.lambdas["collision"].append(float(ais_coefficient(stats, self.params)["lambda"]))
+            for name, impurity in (
+                ("bound", None),
+                ("collision", scored.impurity),
+            ):  # the two spreads AIS takes
+                stats = ais_sufficient_statistics(delta, mask, base, exp.advantages, pipeline, impurity)
+                self.lambdas[name].append(float(ais_coefficient(stats, self.params)["lambda"]))
             self._empty_step(self.optimizers())  # counts the step, changes no weight
 
     return SpreadProbe

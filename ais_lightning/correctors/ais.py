@@ -425,14 +425,12 @@ def ais_sufficient_statistics(
         (resp_k3 * resp_len).sum(),
         resp_len.square().sum(),
     ]
+    spread = None
     if impurity is not None:
         spread = impurity.detach().double().clamp(0.0, 1.0)  # [B, T], 1 - sum_a pi(a)^2
-        parts += [ops.masked_sum(spread, mask), n_tok]
     elif entropy is not None:
         spread = -torch.expm1(-entropy.detach().double().clamp(min=0.0))  # [B, T], 1 - exp(-H)
-        parts += [ops.masked_sum(spread, mask), n_tok]
-    else:
-        parts += [zero, zero]
+    parts += [zero, zero] if spread is None else [ops.masked_sum(spread, mask), n_tok]
     if advantages is not None:
         a_sq = token_advantages(advantages, mask.shape).square()  # [B, T]
         parts += [ops.masked_sum(a_sq, mask), ops.masked_sum(dev_sq * a_sq, mask), n_tok]

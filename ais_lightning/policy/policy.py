@@ -22,7 +22,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ais_lightning.ops import entropy_from_logits, impurity_from_logits, logprobs_from_logits, masked_mean
+from ais_lightning.ops import (
+    entropy_from_logprobs,
+    impurity_from_logprobs,
+    logprobs_from_logits,
+    masked_mean,
+    tempered_log_softmax,
+)
 
 if TYPE_CHECKING:
     from ais_lightning.rollout.base import RolloutBatch
@@ -46,7 +52,7 @@ class ResponseLogprobs:
     None unless ``compute_entropy=True``."""
     impurity: torch.Tensor | None = None
     """``[B, T]`` float32 collision impurity ``1 - sum_a pi(a)^2`` of the same distribution
-    (``ops.impurity_from_logits``); 0 where masked. None unless ``compute_entropy=True``."""
+    (``ops.impurity_from_logprobs``); 0 where masked. None unless ``compute_entropy=True``."""
 
 
 LogprobTensors = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
@@ -158,7 +164,8 @@ def _head_logprobs(
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
     if not compute_entropy:
         return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
-    return logprobs, entropy_from_logits(logits, temperature), impurity_from_logits(logits, temperature)
+    logp = tempered_log_softmax(logits, temperature)  # [n, V], once for both
+    return logprobs, entropy_from_logprobs(logp), impurity_from_logprobs(logp)
 
 
 def chunked_response_logprobs(
@@ -195,12 +202,9 @@ def chunked_response_logprobs(
         else:
             chunks.append(_head_logprobs(lm_head, h, tok, temperature, compute_entropy))
     zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
-    logprobs, entropy, impurity = (
-        zeros.masked_scatter(response_mask, torch.cat(parts)) for parts in zip(*chunks)
-    )  # [B, T] each
-    if not compute_entropy:
-        return ResponseLogprobs(logprobs=logprobs, entropy=None)
-    return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
+    columns = list(zip(*chunks)) if compute_entropy else [[c[0] for c in chunks]]  # the ones computed
+    per_token = [zeros.masked_scatter(response_mask, torch.cat(parts)) for parts in columns]  # [B, T] each
+    return ResponseLogprobs(*per_token) if compute_entropy else ResponseLogprobs(per_token[0], entropy=None)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

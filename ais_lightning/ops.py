@@ -57,6 +57,12 @@ def take_rows(value: Any, index: torch.Tensor) -> Any:
     return _map_fields(value, lambda t: t[index.to(t.device)], lambda items: [items[i] for i in rows])
 
 
+def autograd_usable(t: Any) -> Any:
+    """A normal copy of an inference-mode tensor (engines build batches under ``torch.inference_mode``,
+    and autograd may not save such tensors for backward); anything else unchanged."""
+    return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+
+
 def to_device(value: Any, device: torch.device | str) -> Any:
     """``value`` (a tensor, or a dict / dataclass of tensors, recursively) with every tensor on ``device``."""
     return _map_fields(value, lambda t: t.to(device), lambda items: items)

@@ -4,7 +4,8 @@ The module only orchestrates; the math lives in reusable pieces:
 
     prompts --engine.generate--> RolloutBatch (mu log-probs, low precision)
             --task.reward-->      rewards --group_advantages--> A
-            --policy (no grad)--> pi_old log-probs and entropy
+            --policy-->           pi_old log-probs and entropy (with autograd when one optimizer step
+                                  follows: that forward is then also the loss's, one forward saved)
             --ops.log_ratio-->    delta, once, for the corrector and every metric
             --corrector-->        IS weights, kept-token mask   (ais_lightning.correctors)
             --loss over mini-batches--> optimizer steps         (ais_lightning.losses)
@@ -34,7 +35,7 @@ from ais_lightning import ops
 from ais_lightning.checks import check_int
 from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, TokenEntropy
 from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
-from ais_lightning.policy import Policy
+from ais_lightning.policy import Policy, ResponseLogprobs
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
 from ais_lightning.tasks import Task, safe_rewards, task_fields
 
@@ -138,6 +139,9 @@ class Experience:
     train_logprobs: torch.Tensor  # pi_old, the trainer's log-probs before the update
     weights: torch.Tensor  # corrector IS weights (0 where not kept)
     loss_mask: torch.Tensor  # response_mask & corrector mask
+    current: ResponseLogprobs | None = None
+    """pi_old's forward with its autograd graph, for the loss of the one optimizer step that follows
+    (``collect_experience(keep_graph=True)``); None: the loss runs its own forward."""
 
     def rows(self, index: torch.Tensor) -> Experience:
         """The rows ``index`` (``[R]`` long) of every tensor, for a mini-batch."""
@@ -319,9 +323,15 @@ class GRPOModule(LightningModule):
         return torch.as_tensor(rewards, dtype=torch.float32, device=self.device), int(n_failed)
 
     def collect_experience(
-        self, prompts: list[str], fields: dict[str, list]
+        self, prompts: list[str], fields: dict[str, list], keep_graph: bool = False
     ) -> tuple[Experience | None, dict[str, float]]:
         """Generate, score, compute advantages, pi_old and the corrector weights.
+
+        ``keep_graph``: run pi_old's forward with autograd and keep it as ``Experience.current``, the
+        forward of the loss. Exact only when a single optimizer step follows (the weights have not moved
+        since pi_old, so the loss's forward would return the same numbers, bit for bit on CPU); it saves
+        one policy forward per rollout step (``training_step`` sets it when ``ppo_epochs * mini_batches
+        == 1``; TRL's GRPOTrainer takes pi_old from the loss's forward in that case likewise).
 
         Returns ``(None, stats)`` when any rank has non-finite log-probs on valid tokens: the step is
         skipped on every rank (the decision is all-reduced, so collectives stay matched).
@@ -335,11 +345,12 @@ class GRPOModule(LightningModule):
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
         advantages = group_advantages(rewards, self.settings.group_size, scale=self.settings.advantage_scale)
         mask = batch.response_mask  # [B, T]
-        with torch.no_grad():
-            t1 = time.perf_counter()
+        t1 = time.perf_counter()
+        with torch.set_grad_enabled(keep_graph):
             pi_old = self.policy.batch_logprobs(batch, self.sampling.temperature, compute_entropy=True)
-            train_lp, entropy, impurity = pi_old.logprobs, pi_old.entropy, pi_old.impurity  # [B, T] each
-            logprob_time = time.perf_counter() - t1
+        logprob_time = time.perf_counter() - t1
+        # [B, T] each, values only: the corrector and the metrics never differentiate them
+        train_lp, entropy, impurity = (t.detach() for t in (pi_old.logprobs, pi_old.entropy, pi_old.impurity))
 
         stats = {
             "reward/mean": rewards.mean().item(),
@@ -382,7 +393,10 @@ class GRPOModule(LightningModule):
             impurity=impurity,
         )
         stats.update(correction.stats)
-        exp = Experience(batch, rewards, advantages, train_lp, correction.weights, correction.mask & mask)
+        kept = correction.mask & mask
+        exp = Experience(
+            batch, rewards, advantages, train_lp, correction.weights, kept, pi_old if keep_graph else None
+        )
         return exp, stats
 
     # ----------------------------------------------------------------- update
@@ -432,7 +446,9 @@ class GRPOModule(LightningModule):
     def _loss(self, part: Experience) -> Any:
         """The loss of one mini-batch: every loss gets the same inputs and uses what it needs."""
         compute_entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
-        current = self.policy.batch_logprobs(part.rollout, self.sampling.temperature, compute_entropy)
+        current = part.current
+        if current is None:
+            current = self.policy.batch_logprobs(part.rollout, self.sampling.temperature, compute_entropy)
         ref_lp = None
         if self.reference is not None:
             with torch.no_grad():
@@ -484,7 +500,8 @@ class GRPOModule(LightningModule):
         prompts = batch["prompt"]
         fields = task_fields(batch)
         stage = self.apply_precision_schedule()
-        exp, stats = self.collect_experience(prompts, fields)
+        one_step = self.settings.optimizer_steps_per_rollout == 1  # pi_old's forward serves the loss
+        exp, stats = self.collect_experience(prompts, fields, keep_graph=one_step)
         stats.update(stage)
         if exp is None:  # non-finite log-probs: nothing reaches the weights, the engine keeps its copy
             n = self.settings.optimizer_steps_per_rollout

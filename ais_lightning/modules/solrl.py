@@ -226,7 +226,7 @@ class SolRLModule(GRPOModule):
 
     # ---------------------------------------------------------------- rollout
     def collect_experience(
-        self, prompts: list[str], fields: dict[str, list]
+        self, prompts: list[str], fields: dict[str, list], keep_graph: bool = False
     ) -> tuple[Experience | None, dict[str, float]]:
         """Screen K candidates per prompt cheaply, keep the contrastive ones, regenerate them exactly."""
         assert self.engine is not None and self.eval_engine is not None, "on_train_start builds the engines"
@@ -256,7 +256,7 @@ class SolRLModule(GRPOModule):
         regen = regenerate(self.eval_engine, cheap, rows, self.sampling)  # S * keep rows, groups of keep
         t4 = time.perf_counter()
 
-        exp, stats = self._grpo_experience(regen, prompts, fields)
+        exp, stats = self._grpo_experience(regen, prompts, fields, keep_graph)
         flat = rows.reshape(-1)  # [S * keep]
         agree = token_agreement(
             cheap.response_ids[flat], cheap.response_mask[flat], regen.response_ids, regen.response_mask
@@ -303,7 +303,7 @@ class SolRLModule(GRPOModule):
         return exp, stats
 
     def _grpo_experience(
-        self, batch: RolloutBatch, prompts: list[str], fields: dict[str, list]
+        self, batch: RolloutBatch, prompts: list[str], fields: dict[str, list], keep_graph: bool = False
     ) -> tuple[Experience | None, dict[str, float]]:
         """GRPO's own scoring, advantages, pi_old, corrector and metrics, on the regenerated ``batch``.
 
@@ -312,7 +312,7 @@ class SolRLModule(GRPOModule):
         """
         engine, self.engine = self.engine, _Replay(batch)
         try:
-            return super().collect_experience(prompts, fields)
+            return super().collect_experience(prompts, fields, keep_graph)
         finally:
             self.engine = engine
 

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ais_lightning.ops import autograd_usable
 from ais_lightning.policy.policy import (
     LogprobTensors,
     Policy,
@@ -246,11 +247,6 @@ def _is_int_at_least(value: Any, minimum: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
 
 
-def _plain(t: Any) -> Any:
-    """A normal (autograd-usable) copy of an inference-mode tensor; anything else unchanged."""
-    return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
-
-
 class DiffusionPolicy(Policy):
     """A masked-diffusion LM (e.g. :class:`ais_lightning.models.TinyDiffusionLM`) with the methods RL needs.
 
@@ -390,9 +386,8 @@ class DiffusionPolicy(Policy):
                 f"batch.extras lacks {missing}: DiffusionPolicy scores the unmasking path recorded by "
                 "DiffusionRolloutEngine"
             )
-        # Engines build batches under torch.inference_mode; autograd may not save inference tensors.
         prompt_ids, prompt_mask, response_ids, response_mask, canvas, steps = (
-            _plain(t)
+            autograd_usable(t)
             for t in (
                 batch.prompt_ids,
                 batch.prompt_mask,

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ais_lightning.ops import (
+    autograd_usable,
     entropy_from_logprobs,
     impurity_from_logprobs,
     logprobs_from_logits,
@@ -513,10 +514,10 @@ class Policy(nn.Module):
         importance ratio against the engine's mu. Every model family implements this one method; an
         autoregressive LM scores each token given the prompt and the tokens before it."""
         return self.response_logprobs(
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.response_ids,
-            batch.response_mask,
+            *(
+                autograd_usable(t)
+                for t in (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+            ),
             temperature=temperature,
             compute_entropy=compute_entropy,
             chunk_size=self.logprob_chunk_size,

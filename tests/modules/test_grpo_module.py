@@ -47,9 +47,9 @@ class NaNLoss(GRPOLoss):
         return dataclasses.replace(out, loss=out.loss * float("nan"))
 
 
-def _module(engine_factory=None, loss=None, **settings) -> GRPOModule:
-    return GRPOModule(
-        policy=Policy(build_tiny_qwen3(seed=0), build_char_tokenizer()),
+def _module(engine_factory=None, loss=None, cls=GRPOModule, policy_cls=Policy, **settings) -> GRPOModule:
+    return cls(
+        policy=policy_cls(build_tiny_qwen3(seed=0), build_char_tokenizer()),
         task=OddCharacters(digits=1),
         corrector=AIS(),
         loss=loss or GRPOLoss(),
@@ -160,3 +160,48 @@ def test_consecutive_bad_steps_abort_the_run_naming_the_cause():
     module = _module(engine_factory=NaNRollouts, max_bad_steps=1)
     with pytest.raises(RuntimeError, match="non-finite log-probs.*max_bad_steps"):
         _fit(module)
+
+
+class CountingPolicy(Policy):
+    """A Policy that counts its log-prob passes."""
+
+    calls = 0
+
+    def batch_logprobs(self, *args, **kwargs):
+        self.calls += 1
+        return super().batch_logprobs(*args, **kwargs)
+
+
+class FreshLossForward(GRPOModule):
+    """GRPOModule whose loss always runs its own forward (pi_old's forward without autograd)."""
+
+    def collect_experience(self, prompts, fields, keep_graph=False):
+        self.kept = keep_graph
+        return super().collect_experience(prompts, fields, keep_graph=False)
+
+
+def _counted(cls=GRPOModule, **settings) -> GRPOModule:
+    fp4 = lambda m: TorchRolloutEngine(m, precision="fp4")  # noqa: E731
+    return _module(engine_factory=fp4, cls=cls, policy_cls=CountingPolicy, **settings)
+
+
+def test_one_optimizer_step_per_batch_reuses_pi_olds_forward_for_the_loss_bit_for_bit():
+    """At ppo_epochs * mini_batches == 1 the loss takes pi_old's forward (kept with its graph): one policy
+    pass per step instead of two, and the same weights after the step, bit for bit, as with a fresh one."""
+    fused, fresh = _counted(), _counted(FreshLossForward)
+    before = _weights(fused)
+    _fit(fused), _fit(fresh)
+    assert fresh.kept, "training_step asks for the graph at one optimizer step per batch"
+    assert (fused.policy.calls, fresh.policy.calls) == (1, 2)
+    a, b = _weights(fused), _weights(fresh)
+    assert any(not torch.equal(a[k], before[k]) for k in a), "the step moved the weights"
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("schedule", [{"ppo_epochs": 2}, {"mini_batches": 2}])
+def test_several_optimizer_steps_per_batch_run_the_loss_forward_each_time(schedule):
+    """pi_old is fixed while the weights move: each optimizer step needs its own forward."""
+    module = _counted(FreshLossForward, **schedule)
+    _fit(module)
+    assert not module.kept
+    assert module.policy.calls == 1 + 2

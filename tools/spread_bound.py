@@ -98,10 +98,8 @@ def _probe_class() -> type:
                 exp.train_logprobs, rollout.rollout_logprobs, mask
             )  # [B, T], as the corrector's
             base, _ = ais_base_weights(delta, mask, self.params)
-            for name, impurity in (
-                ("bound", None),
-                ("collision", scored.impurity),
-            ):  # the two spreads AIS takes
+            spreads = {"bound": None, "collision": scored.impurity}  # the two spreads AIS takes
+            for name, impurity in spreads.items():
                 stats = ais_sufficient_statistics(delta, mask, base, exp.advantages, pipeline, impurity)
                 self.lambdas[name].append(float(ais_coefficient(stats, self.params)["lambda"]))
             self._empty_step(self.optimizers())  # counts the step, changes no weight

@@ -303,7 +303,7 @@ class SolRLModule(GRPOModule):
         return exp, stats
 
     def _grpo_experience(
-        self, batch: RolloutBatch, prompts: list[str], fields: dict[str, list], keep_graph: bool = False
+        self, batch: RolloutBatch, prompts: list[str], fields: dict[str, list], keep_graph: bool
     ) -> tuple[Experience | None, dict[str, float]]:
         """GRPO's own scoring, advantages, pi_old, corrector and metrics, on the regenerated ``batch``.
 

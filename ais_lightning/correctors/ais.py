@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -299,6 +300,16 @@ class MixingCorrector(Corrector):
 # ----------------------------------------------------------------------------- v2
 
 
+MISSING_SPREAD = (
+    "AIS got neither impurity= nor entropy=, so it measures the divergence severity against a spread "
+    "G = 1, the least severe reading: for a concentrated policy lambda comes out far too small (AIS then "
+    "under-corrects, docs/ais.md section 3). Pass impurity=ais_lightning.ops.impurity_from_logits(logits) "
+    "with the trainer's logits at the response tokens ([B, T, V]), or at least entropy= in nats; "
+    "use_entropy=False asks for G = 1 explicitly."
+)
+"""The warning ``AISParams.spread_impurity`` gives when the policy's spread is missing."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AISParams:
     """The parameters of the v2 coefficient, validated. Built by ``AIS`` (whose signature holds the
@@ -352,9 +363,17 @@ class AISParams:
         (``(1 - momentum) / (1 + momentum)`` with one optimizer step per rollout batch)."""
         return self.noise_to_signal * averaged_noise_factor(self.momentum, self.ppo_epochs, self.mini_batches)
 
-    def spread_impurity(self, impurity: torch.Tensor | None) -> torch.Tensor | None:
+    def spread_impurity(
+        self, impurity: torch.Tensor | None, entropy: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The impurity the spread is measured with: ``impurity`` under ``spread="impurity"``, else None
-        (``ais_sufficient_statistics`` then takes the entropy bound)."""
+        (``ais_sufficient_statistics`` then takes the entropy bound).
+
+        Warns (``MISSING_SPREAD``, once per process) when the severity is measured against the spread
+        (``use_entropy``) but neither ``impurity`` nor ``entropy`` was given: G is then 1.
+        """
+        if self.use_entropy and impurity is None and entropy is None:
+            warnings.warn(MISSING_SPREAD, UserWarning, stacklevel=2)
         return impurity if self.spread == "impurity" else None
 
     @property
@@ -602,7 +621,7 @@ class AIS(MixingCorrector):
         impurity: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return ais_sufficient_statistics(
-            delta, mask, base, advantages, entropy, self.params.spread_impurity(impurity)
+            delta, mask, base, advantages, entropy, self.params.spread_impurity(impurity, entropy)
         )
 
     def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:

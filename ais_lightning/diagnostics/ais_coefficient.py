@@ -117,7 +117,7 @@ class AISCoefficient(_SummedStatisticMetric):
 
     def _batch_statistics(self, delta, mask, advantages, entropy, impurity) -> torch.Tensor:
         base, _ = ais_base_weights(delta, mask, self.params)  # [B, T]
-        impurity = self.params.spread_impurity(impurity)
+        impurity = self.params.spread_impurity(impurity, entropy)
         return ais_sufficient_statistics(delta, mask, base, advantages, entropy, impurity)
 
     def compute(self) -> torch.Tensor:

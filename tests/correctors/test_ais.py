@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -45,6 +46,7 @@ from ais_lightning.correctors.ais import (
     ais_coefficient,
     ais_sufficient_statistics,
 )
+from ais_lightning.diagnostics import AISCoefficient
 from ais_lightning.ops import log_ratio
 
 LN2 = math.log(2.0)
@@ -122,7 +124,8 @@ def test_lambda_is_the_minimiser_of_the_estimated_mse(example_b, beta1):
 def test_without_entropy_the_spread_is_one(example_b):
     # G = 1: beta = 2 D = 0.9034264, bias_sq = R beta^2 = 0.3116827, lambda = 0.3116827 / 0.6241827.
     train, rollout, mask, adv, _ = example_b
-    out = AIS()(train, rollout, mask, advantages=adv)
+    with pytest.warns(UserWarning, match="neither impurity= nor entropy="):
+        out = AIS()(train, rollout, mask, advantages=adv)
     assert out.stats["ais/spread"] == 1.0
     assert out.stats["ais/severity"] == pytest.approx(2 * D_B, rel=1e-6)
     bias = R_B * (2 * D_B) ** 2
@@ -132,6 +135,26 @@ def test_without_entropy_the_spread_is_one(example_b):
     off = AIS(use_entropy=False)(*example_b[:3], advantages=adv, entropy=example_b[4])
     assert off.stats["ais/lambda"] == pytest.approx(out.stats["ais/lambda"], rel=1e-12)
     assert off.stats["ais/spread"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, spread",
+    [({"entropy": True}, None), ({"impurity": True}, None), ({}, {"use_entropy": False})],
+    ids=["entropy", "impurity", "g_one_asked_for"],
+)
+def test_a_missing_spread_is_warned_about_only_when_it_is_missing(example_b, kwargs, spread):
+    # The warning of the test above, from the corrector and from the metric with the same parameters;
+    # silent once a spread is given or G = 1 is asked for.
+    train, rollout, mask, adv, ent = example_b
+    given = {k: (ent if k == "entropy" else torch.full(mask.shape, 0.25)) for k in kwargs}
+    corrector = AIS(**(spread or {}))
+    metric = AISCoefficient(params=corrector.params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        corrector(train, rollout, mask, advantages=adv, **given)
+        metric.update(train, rollout, mask, advantages=adv, **given)
+    with pytest.warns(UserWarning, match="neither impurity= nor entropy="):
+        AISCoefficient().update(train, rollout, mask, advantages=adv)
 
 
 def test_impurity_is_the_spread_when_given(example_b):

@@ -7,6 +7,7 @@ loss on synthetic rollouts whose log-probs come from a perturbed copy mu of the 
 from __future__ import annotations
 
 import math
+import warnings
 
 import lightning as L
 import torch
@@ -14,7 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ais_lightning.correctors import AIS
+from ais_lightning.correctors.ais import MISSING_SPREAD
 from ais_lightning.diagnostics import MismatchDiagnostics
+from ais_lightning.ops import impurity_from_logits
 
 NUM_CONTEXTS, VOCAB, LENGTH, ROWS = 4, 5, 6, 32
 
@@ -27,21 +30,21 @@ class TinyPolicyModule(L.LightningModule):
         self.corrector = AIS(c=2.0)
         self.diagnostics = MismatchDiagnostics(prefix="mismatch/")
 
-    def logprobs(self, contexts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.policy(nn.functional.one_hot(contexts, NUM_CONTEXTS).float())  # [B, T, V]
-        return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
-
     def training_step(self, batch, batch_idx):
         contexts, tokens, rollout_logprobs, mask = batch
-        logp = self.logprobs(contexts, tokens)  # [B, T]
+        logits = self.policy(nn.functional.one_hot(contexts, NUM_CONTEXTS).float())  # [B, T, V]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
         train_logprobs = logp.detach()
+        # the policy's spread 1 - sum_a pi(a)^2 per token, which AIS measures the mismatch against
+        impurity = impurity_from_logits(logits.detach())  # [B, T]
         # reward: how often the policy emitted token 0; group-normalized advantage per sequence
         reward = ((tokens == 0) & mask).float().sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
         advantages = (reward - reward.mean()) / (reward.std() + 1e-6)  # [B]
-        out = self.corrector(train_logprobs, rollout_logprobs, mask, advantages=advantages)
+        out = self.corrector(train_logprobs, rollout_logprobs, mask, advantages=advantages, impurity=impurity)
         per_token = -out.weights * advantages[:, None] * logp  # [B, T]
         loss = per_token[out.mask].sum() / out.mask.sum().clamp(min=1)
-        self.diagnostics(train_logprobs, rollout_logprobs, mask, advantages=advantages)
+        self.diagnostics(train_logprobs, rollout_logprobs, mask, advantages=advantages, impurity=impurity)
+        self.log("ais/spread", out.stats["ais/spread"])
         self.log_dict(self.diagnostics)
         self.log("train/loss", loss)
         return loss
@@ -72,7 +75,12 @@ def test_stranger_lightning_module_trains_with_ais_and_logs_diagnostics():
     trainer = L.Trainer(
         accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
-    trainer.fit(module, loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader)
+    assert not [
+        w for w in caught if str(w.message) == MISSING_SPREAD
+    ]  # the spread reached AIS and the metric
 
     assert trainer.global_step == 5
     assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
@@ -99,3 +107,6 @@ def test_stranger_lightning_module_trains_with_ais_and_logs_diagnostics():
     assert float(metrics["mismatch/kl_k3"]) > 1e-3
     assert 0.0 < float(metrics["mismatch/ess"]) < 1.0
     assert 0.0 <= float(metrics["mismatch/ais_lambda"]) <= 1.0
+    assert (
+        0.0 < float(metrics["ais/spread"]) < 1.0 - 1.0 / VOCAB + 1e-6
+    )  # an impurity, not the fallback G = 1

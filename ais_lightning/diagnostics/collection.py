@@ -37,8 +37,10 @@ def MismatchDiagnostics(prefix: str = "mismatch/", c: float = 2.0, **metric_kwar
     clamps, and the truncation C of ``ais_lambda`` (other AIS hyper-parameters keep their
     defaults). ``metric_kwargs`` (e.g. ``sync_on_compute``) go to every metric.
 
-    ``collection.update(train_logprobs, rollout_logprobs, mask, advantages=..., entropy=...)`` is
-    accepted: torchmetrics passes each metric only the keyword arguments its ``update`` takes.
+    ``collection.update(train_logprobs, rollout_logprobs, mask, advantages=..., entropy=..., impurity=...)``
+    is accepted: torchmetrics passes each metric only the keyword arguments its ``update`` takes. Pass the
+    trainer's ``impurity`` (``ops.impurity_from_logits``) or ``entropy``: without either ``ais_lambda``
+    measures the mismatch against a spread of 1 and warns.
     ``compute_groups=False``: torchmetrics merges metrics whose states are equal after the first
     update (e.g. ``kl_k1`` and ``ppl_ratio`` both start from sums that are 0 when pi = mu), which
     would silently make them share one state.

@@ -138,16 +138,17 @@ def test_without_entropy_the_spread_is_one(example_b):
 
 
 @pytest.mark.parametrize(
-    "kwargs, spread",
-    [({"entropy": True}, None), ({"impurity": True}, None), ({}, {"use_entropy": False})],
+    "given, use_entropy",
+    [(("entropy",), True), (("impurity",), True), ((), False)],
     ids=["entropy", "impurity", "g_one_asked_for"],
 )
-def test_a_missing_spread_is_warned_about_only_when_it_is_missing(example_b, kwargs, spread):
+def test_a_missing_spread_is_warned_about_only_when_it_is_missing(example_b, given, use_entropy):
     # The warning of the test above, from the corrector and from the metric with the same parameters;
     # silent once a spread is given or G = 1 is asked for.
     train, rollout, mask, adv, ent = example_b
-    given = {k: (ent if k == "entropy" else torch.full(mask.shape, 0.25)) for k in kwargs}
-    corrector = AIS(**(spread or {}))
+    spreads = {"entropy": ent, "impurity": torch.full(mask.shape, 0.25)}
+    given = {k: spreads[k] for k in given}
+    corrector = AIS(use_entropy=use_entropy)
     metric = AISCoefficient(params=corrector.params)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning fails the test

@@ -304,7 +304,8 @@ MISSING_SPREAD = (
     "AIS got neither impurity= nor entropy=, so it measures the divergence severity against a spread "
     "G = 1, the least severe reading: for a concentrated policy lambda comes out far too small (AIS then "
     "under-corrects, docs/ais.md section 3). Pass impurity=ais_lightning.ops.impurity_from_logits(logits) "
-    "with the trainer's logits at the response tokens ([B, T, V]), or at least entropy= in nats; "
+    "with the trainer's logits at the response tokens ([B, T, V]) (impurity_from_logprobs if you already "
+    "took their log-softmax), or at least entropy= in nats; "
     "use_entropy=False asks for G = 1 explicitly."
 )
 """The warning ``AISParams.spread_impurity`` gives when the policy's spread is missing."""

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ais_lightning.correctors import AIS
 from ais_lightning.correctors.ais import MISSING_SPREAD
 from ais_lightning.diagnostics import MismatchDiagnostics
-from ais_lightning.ops import impurity_from_logits
+from ais_lightning.ops import impurity_from_logprobs
 
 NUM_CONTEXTS, VOCAB, LENGTH, ROWS = 4, 5, 6, 32
 
@@ -33,10 +33,11 @@ class TinyPolicyModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         contexts, tokens, rollout_logprobs, mask = batch
         logits = self.policy(nn.functional.one_hot(contexts, NUM_CONTEXTS).float())  # [B, T, V]
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
+        log_pi = torch.log_softmax(logits, dim=-1)  # [B, T, V]
+        logp = log_pi.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
         train_logprobs = logp.detach()
         # the policy's spread 1 - sum_a pi(a)^2 per token, which AIS measures the mismatch against
-        impurity = impurity_from_logits(logits.detach())  # [B, T]
+        impurity = impurity_from_logprobs(log_pi.detach())  # [B, T]
         # reward: how often the policy emitted token 0; group-normalized advantage per sequence
         reward = ((tokens == 0) & mask).float().sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
         advantages = (reward - reward.mean()) / (reward.std() + 1e-6)  # [B]
@@ -78,9 +79,8 @@ def test_stranger_lightning_module_trains_with_ais_and_logs_diagnostics():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, loader)
-    assert not [
-        w for w in caught if str(w.message) == MISSING_SPREAD
-    ]  # the spread reached AIS and the metric
+    missing_spread = [w for w in caught if str(w.message) == MISSING_SPREAD]
+    assert not missing_spread  # the spread reached AIS and the metric
 
     assert trainer.global_step == 5
     assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
@@ -107,6 +107,5 @@ def test_stranger_lightning_module_trains_with_ais_and_logs_diagnostics():
     assert float(metrics["mismatch/kl_k3"]) > 1e-3
     assert 0.0 < float(metrics["mismatch/ess"]) < 1.0
     assert 0.0 <= float(metrics["mismatch/ais_lambda"]) <= 1.0
-    assert (
-        0.0 < float(metrics["ais/spread"]) < 1.0 - 1.0 / VOCAB + 1e-6
-    )  # an impurity, not the fallback G = 1
+    uniform_impurity = 1.0 - 1.0 / VOCAB  # the largest impurity; the fallback without one is G = 1
+    assert 0.0 < float(metrics["ais/spread"]) < uniform_impurity + 1e-6

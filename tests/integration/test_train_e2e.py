@@ -76,15 +76,10 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
     The killed run logs to MLflow: it must not look FINISHED (Lightning finalizes the logger after
     the validation that precedes training; ``ais-train`` reopens the run), so a sweep report never
     averages it."""
-    common = [
-        *SMOKE,
-        "logger=none",
-        "trainer.max_steps=4",
-        "trainer.checkpoint_every_n_steps=1",
-        "corrector.ema_decay=0.5",
-    ]
+    common = [*SMOKE, "trainer.checkpoint_every_n_steps=1", "corrector.ema_decay=0.5"]
+    four_steps = [*common, "logger=none", "trainer.max_steps=4"]
     full = tmp_path / "full"
-    run_train([*common, f"hydra.run.dir={full}"], cwd=tmp_path)
+    run_train([*four_steps, f"hydra.run.dir={full}"], cwd=tmp_path)
     expected = json.loads((full / "history.json").read_text())
     assert len(expected) == 4
 
@@ -97,6 +92,10 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
             "-m",
             "ais_lightning.train",
             *common,
+            # far more steps than the poll below can miss: the run is still training when it is killed
+            # (with 4 steps a loaded machine let it finish between two polls). Batch k is the same
+            # whatever max_steps is, so its step-2 checkpoint is the 4-step run's.
+            "trainer.max_steps=1000",
             f"hydra.run.dir={killed}",
             "logger=mlflow",
             f"logger.tracking_uri={store}",
@@ -129,7 +128,7 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
     assert "tracking_uri" not in run.info.run_name, run.info.run_name
 
     resumed = tmp_path / "resumed"
-    run_train([*common, f"hydra.run.dir={resumed}", f"ckpt_path={step2}"], cwd=tmp_path)
+    run_train([*four_steps, f"hydra.run.dir={resumed}", f"ckpt_path={step2}"], cwd=tmp_path)
     got = json.loads((resumed / "history.json").read_text())
     assert [h["step"] for h in got] == [h["step"] for h in expected]
     for a, b in zip(got, expected):

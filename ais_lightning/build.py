@@ -55,6 +55,7 @@ class Components:
         enabled = self.warmstart.enabled
         init_seed = self.warmstart.seed if enabled and self.warmstart.seed is not None else seed
         policy = self.policy.build(init_seed)
+        self.check_engines_on(policy.model)
         if not (warm and enabled):
             return policy, None
         from ais_lightning.warmstart import warm_start
@@ -63,6 +64,19 @@ class Components:
             policy, policy.tokenizer, self.task, self.warmstart, seed=seed, progress_bar=progress_bar
         )
         return policy, result
+
+    def check_engines_on(self, model: Any) -> None:
+        """The engines' checks that need the model itself (an engine class's ``check_model``, e.g. a
+        quantized precision on weights the torch engine cannot quantize), before any warm start or training."""
+        for factory in (self.engine, self.eval_engine):
+            check = getattr(getattr(factory, "func", None), "check_model", None)
+            if check is not None:
+                try:
+                    check(model, **(factory.keywords or {}))
+                except ValueError as err:
+                    raise ValueError(
+                        f"rollout ({factory.func.__name__} on the policy's model): {err}"
+                    ) from err
 
     def grpo_module(
         self, policy: Any, seed: int, module_class: type | None = None, validation: bool = True

@@ -1,7 +1,9 @@
 """Rollout throughput benchmark: one run, same model and prompts for every engine.
 
 Engines: HF ``model.generate`` (fp32, and on an fbgemm int8 copy), ``TorchRolloutEngine`` at
-fp32/bf16/fp8/fp4/int8, and vLLM when importable. For each: tokens/s, ms per decode step, memory,
+fp32/bf16/fp8/fp4/int8 on its lean forward (``torch-*``) and through the model's own Hugging Face forward
+(``torch_hf-*``, ``model_impl="transformers"``: what every model outside the lean families runs), and
+vLLM when importable. For each: tokens/s, ms per decode step, memory,
 the ratio to torch-fp32, and the fraction of a GEMM roofline: 2 x (linear-layer params) FLOP per
 token at the fp32 / int8 GEMM rates this run measures at the decode shape (M = batch).
 
@@ -87,6 +89,8 @@ ENGINES = (
     "torch-fp8",
     "torch-fp4",
     "torch-int8",
+    "torch_hf-fp32",
+    "torch_hf-int8",
     "vllm-fp32",
     "vllm-bf16",
 )
@@ -185,7 +189,7 @@ class Prepared:
 
 
 def prepare(name: str, model: nn.Module, prompts: list[list[int]], new: int) -> Prepared:
-    """Build engine ``name`` (``hf-fp32``, ``torch-int8``, ``vllm-bf16``, ...) and warm it up.
+    """Build engine ``name`` (``hf-fp32``, ``torch-int8``, ``torch_hf-int8``, ``vllm-bf16``, ...) and warm it up.
 
     The warm-up is one full-length ``generate`` (every buffer the timed runs need is allocated and
     touched, as in an RL loop where the engine rolls out every step), and the peak RSS is sampled
@@ -215,8 +219,9 @@ def prepare(name: str, model: nn.Module, prompts: list[list[int]], new: int) -> 
 
         weights = weight_bytes(model)
     else:
-        if kind == "torch":
-            engine = TorchRolloutEngine(model, precision=precision)
+        if kind in ("torch", "torch_hf"):
+            impl = "transformers" if kind == "torch_hf" else "lean"
+            engine = TorchRolloutEngine(model, precision=precision, model_impl=impl)
             weights = weight_bytes(engine.model)
         else:
             from ais_lightning.rollout.factory import build_engine

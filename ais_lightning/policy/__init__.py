@@ -7,6 +7,7 @@ from ais_lightning.policy.policy import (
     ResponseLogprobs,
     build_sequences,
     chunked_response_logprobs,
+    disable_dropout_in,
     load_named_tensors,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "TinyQwen3",
     "build_sequences",
     "chunked_response_logprobs",
+    "disable_dropout_in",
     "load_named_tensors",
     "tiny_diffusion_policy",
 ]

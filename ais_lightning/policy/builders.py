@@ -142,6 +142,8 @@ class Pretrained:
     aligned_schedule: list[list[Any]] | None = None
     """Progressive precision of the aligned forward and the rollout engine together: ``[[0, int8_nested],
     [N1, int4], [N2, int2]]`` (start rollout step, recipe); None = one recipe (``aligned_quantization``)."""
+    disable_dropout: bool = True
+    """Set the model's dropout probabilities to 0 (as TRL's GRPO), so log-probs are deterministic."""
 
     def __post_init__(self) -> None:
         if not self.path or not os.path.isdir(self.path):
@@ -163,6 +165,7 @@ class Pretrained:
             logprob_chunk_size=self.logprob_chunk_size,
             aligned_quantization=self.aligned_quantization,
             aligned_schedule=self.aligned_schedule,
+            disable_dropout=self.disable_dropout,
         )
 
 

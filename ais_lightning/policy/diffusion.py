@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ais_lightning.models.head import LogitTransform
 from ais_lightning.ops import autograd_usable
 from ais_lightning.policy.policy import (
     LogprobTensors,
@@ -293,6 +294,12 @@ class DiffusionPolicy(Policy):
             raise ValueError(f"mask_eps must be in (0, 1], got {mask_eps}")
         self.response_length = response_length
         self.mask_eps = mask_eps
+
+    @staticmethod
+    def _checked_logit_transform(model: nn.Module) -> LogitTransform:
+        """A mask predictor's logits are ``lm_head(body(x))`` (its ``forward`` takes a noised canvas, not a
+        causal LM's arguments): no transform, nothing to probe."""
+        return LogitTransform()
 
     @property
     def mask_token_id(self) -> int:

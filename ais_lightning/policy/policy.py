@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ais_lightning.models.head import LogitTransform, apply_head, decoder_body, head_mismatch, logit_transform
 from ais_lightning.ops import (
     autograd_usable,
     entropy_from_logprobs,
@@ -38,6 +39,10 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_o
 """Name fragments that activation-checkpoint / FSDP1 / torch.compile wrappers add to buffer names."""
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 """Attribute names under which Hugging Face decoder bodies keep their ``nn.ModuleList`` of blocks."""
+HEAD_TOLERANCE: dict[torch.dtype | None, float] = {torch.float32: 1e-4, torch.float64: 1e-4, None: 2e-2}
+"""Largest relative difference between the policy's head and the model's forward accepted at construction,
+by parameter dtype (None: any other): about 1e-7 in fp32 when the head is reproduced, 0.1 to 1 when a
+logit transform is missing."""
 _FSDP_FORWARD_METHOD = "_ais_policy_response_logprobs"
 """Attribute under which the log-prob computation is registered as an FSDP2 forward method of the model."""
 
@@ -156,12 +161,36 @@ def build_sequences(
     return input_ids, attention_mask, position_ids
 
 
+def disable_dropout_in(model: nn.Module) -> int:
+    """Set every dropout probability of ``model`` to 0, in place; returns how many were nonzero.
+
+    ``nn.Dropout`` modules (GPT-2, OPT, ...) and the float ``attention_dropout`` / ``dropout`` attributes
+    Hugging Face attention modules read in training mode (Llama, Qwen, Phi-3, ...).
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            changed += module.p != 0
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float):
+                changed += value != 0
+                setattr(module, attr, 0.0)
+    return changed
+
+
 def _head_logprobs(
-    lm_head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, compute_entropy: bool
+    lm_head: nn.Module,
+    transform: LogitTransform,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    compute_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """lm_head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] -> log-probs,
-    entropies and impurities, each [n] (zeros unless ``compute_entropy``)."""
-    logits = lm_head(hidden)  # [n, V]
+    """The model's head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] ->
+    log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``)."""
+    logits = apply_head(lm_head, transform, hidden)  # [n, V]
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
     if not compute_entropy:
         return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
@@ -177,10 +206,13 @@ def chunked_response_logprobs(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     chunk_size: int = 1024,
+    transform: LogitTransform | None = None,
 ) -> ResponseLogprobs:
     """Log-probs (and entropies) of response tokens from the decoder's final hidden states.
 
     ``hidden`` ``[B, T, H]`` is the hidden state that *predicts* each response token (position ``P-1+t``).
+    ``transform``: what the model's forward does to ``lm_head``'s logits
+    (:func:`ais_lightning.models.head.logit_transform`; None = nothing).
     Only valid tokens are projected, ``chunk_size`` of them at a time; under autograd each chunk is
     activation-checkpointed, so at most one ``[chunk_size, V]`` logits block is alive in forward *and*
     backward (the memory bound of chunked cross-entropy, e.g. Liger-Kernel's fused linear CE).
@@ -192,16 +224,26 @@ def chunked_response_logprobs(
     flat_hidden = hidden[response_mask]  # [N, H]
     flat_tokens = response_ids[response_mask]  # [N]
     use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
+    transform = transform if transform is not None else LogitTransform()
     chunks: list[
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ] = []  # (log-prob, entropy, impurity) [n] each
     for h, tok in zip(flat_hidden.split(chunk_size), flat_tokens.split(chunk_size)):
         if use_checkpoint:
             chunks.append(
-                checkpoint(_head_logprobs, lm_head, h, tok, temperature, compute_entropy, use_reentrant=False)
+                checkpoint(
+                    _head_logprobs,
+                    lm_head,
+                    transform,
+                    h,
+                    tok,
+                    temperature,
+                    compute_entropy,
+                    use_reentrant=False,
+                )
             )
         else:
-            chunks.append(_head_logprobs(lm_head, h, tok, temperature, compute_entropy))
+            chunks.append(_head_logprobs(lm_head, transform, h, tok, temperature, compute_entropy))
     zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
     columns = list(zip(*chunks)) if compute_entropy else [[c[0] for c in chunks]]  # the ones computed
     per_token = [zeros.masked_scatter(response_mask, torch.cat(parts)) for parts in columns]  # [B, T] each
@@ -254,17 +296,9 @@ def _is_fsdp_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _decoder_body(model: nn.Module) -> nn.Module:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
-        decoder = getattr(model, "model", None)
-    if decoder is None:
-        raise ValueError(f"cannot find the decoder body of {type(model).__name__}")
-    return decoder
-
-
 def _decoder_logprobs(
     model: nn.Module,
+    transform: LogitTransform,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
@@ -276,19 +310,24 @@ def _decoder_logprobs(
 ) -> LogprobTensors:
     """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
     P = input_ids.shape[1] - response_ids.shape[1]
-    out = _decoder_body(model)(
+    out = decoder_body(model)(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, P+T, H]
     result = chunked_response_logprobs(
         model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
-        temperature, compute_entropy, chunk_size,
+        temperature, compute_entropy, chunk_size, transform,
     )  # fmt: skip
     return result.logprobs, result.entropy, result.impurity
 
 
 class Policy(nn.Module):
     """A Hugging Face causal LM with the few methods RL training needs.
+
+    Any causal LM: the log-probs are those of the model's own forward (its logit transform included,
+    checked against it at construction: :mod:`ais_lightning.models.head`). ``disable_dropout`` (default,
+    as TRL's GRPO) sets every dropout probability to 0, so pi_old, the loss's pi and the importance ratio
+    against the engine are deterministic functions of the weights.
 
     Under FSDP2, ``fully_shard`` each decoder layer, then ``policy.model`` and/or the Policy (or its parent).
     The decoder body and the chunked head are called directly rather than through ``model.forward``; when
@@ -303,6 +342,7 @@ class Policy(nn.Module):
         logprob_chunk_size: int = 1024,
         aligned_quantization: str | None = None,
         aligned_schedule: Any = None,
+        disable_dropout: bool = True,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -316,6 +356,11 @@ class Policy(nn.Module):
         ):
             raise ValueError(f"logprob_chunk_size must be an int >= 1, got {logprob_chunk_size!r}")
         self.model = model
+        if disable_dropout:
+            disable_dropout_in(model)
+        self.logit_transform = self._checked_logit_transform(model)
+        """What the model's forward does to ``lm_head``'s logits (Granite's scaling, Gemma 2's soft cap, ...),
+        applied by the chunked head too (:mod:`ais_lightning.models.head`)."""
         self.tokenizer = tokenizer
         """The Hugging Face tokenizer of the model (None if the caller encodes prompts itself)."""
         self.logprob_chunk_size = logprob_chunk_size
@@ -332,6 +377,28 @@ class Policy(nn.Module):
         self.aligned_schedule: tuple[tuple[int, str], ...] | None = aligned_schedule
         """Progressive precision (Bit-by-Bit, arXiv 2604.07888): ``((start_rollout_step, recipe), ...)``, the
         aligned forward's recipe by stage (:meth:`set_aligned_step` moves to a step's stage); None = one recipe."""
+
+    @staticmethod
+    def _checked_logit_transform(model: nn.Module) -> LogitTransform:
+        """The model's logit transform, checked on a short probe against the model's own forward.
+
+        The policy computes logits as ``transform(lm_head(decoder(x)))`` in chunks, never through
+        ``model.forward``; a family whose forward does something else to its logits would be scored under
+        the wrong distribution, so it is refused here. Skipped for a model on the meta device or sharded.
+        """
+        transform = logit_transform(model.config)
+        mismatch = head_mismatch(model, transform)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        tolerance = HEAD_TOLERANCE.get(dtype, HEAD_TOLERANCE[None])
+        if mismatch is not None and not mismatch <= tolerance:
+            raise ValueError(
+                f"{type(model).__name__}'s forward computes its logits differently from lm_head(decoder(x)) "
+                f"followed by {transform} (relative difference {mismatch:.3g} > {tolerance:g} on a 4-token probe), "
+                "so Policy would score responses under the wrong distribution. The logit transforms it knows are "
+                "in ais_lightning.models.head.logit_transform (Granite's logits_scaling, Cohere's logit_scale, "
+                "Gemma 2/3's final_logit_softcapping)"
+            )
+        return transform
 
     def apply_aligned_quantization(self) -> bool:
         """QaRL (arXiv 2604.07853): run the trainer's linears through the rollout's quantization recipe.
@@ -391,12 +458,13 @@ class Policy(nn.Module):
         logprob_chunk_size: int = 1024,
         aligned_quantization: str | None = None,
         aligned_schedule: Any = None,
+        disable_dropout: bool = True,
         **model_kwargs,
     ) -> Policy:
         """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
-        ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``: as
-        in the constructor."""
+        ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``,
+        ``disable_dropout``: as in the constructor."""
         from transformers import AutoModelForCausalLM
 
         path = os.fspath(path)
@@ -411,6 +479,7 @@ class Policy(nn.Module):
             logprob_chunk_size=logprob_chunk_size,
             aligned_quantization=aligned_quantization,
             aligned_schedule=aligned_schedule,
+            disable_dropout=disable_dropout,
         )
 
     @property
@@ -427,7 +496,7 @@ class Policy(nn.Module):
 
     def decoder_layers(self) -> list[nn.Module]:
         """The transformer blocks of the decoder body (what FSDP2 shards one by one)."""
-        body = _decoder_body(self.model)
+        body = decoder_body(self.model)
         for name in _LAYER_LIST_NAMES:
             layers = getattr(body, name, None)
             if isinstance(layers, nn.ModuleList):
@@ -456,7 +525,7 @@ class Policy(nn.Module):
         fn = getattr(self.model, _FSDP_FORWARD_METHOD, None)
         if fn is not None:
             return fn
-        fn = functools.partial(_decoder_logprobs, self.model)
+        fn = functools.partial(_decoder_logprobs, self.model, self.logit_transform)
         if _is_fsdp_module(self.model):
             from torch.distributed.fsdp import register_fsdp_forward_method
 

@@ -13,10 +13,12 @@ from .linear import (
     BACKENDS,
     DEFAULT_SKIP,
     QuantLinear,
+    check_quantizable,
     quantize_model,
     refresh_quantized,
     scaled_mm_linear,
     switch_recipe,
+    unquantizable_weights,
 )
 from .nested import NESTED_FORMATS, nested_format, nested_view, nested_views
 from .ocs import OCSSplit, merge_split, ocs_split, rounding_aware_pieces, select_outlier_channels
@@ -46,6 +48,7 @@ __all__ = [
     "QuantLinear",
     "QuantRecipe",
     "QuantizedTensor",
+    "check_quantizable",
     "dequantize",
     "e4m3_round_up",
     "fake_quantize",
@@ -69,4 +72,5 @@ __all__ = [
     "scaled_mm_linear",
     "select_outlier_channels",
     "switch_recipe",
+    "unquantizable_weights",
 ]

@@ -396,6 +396,10 @@ def quantize_model(
     ``skip``: module-name substrings to keep in high precision; None means :data:`DEFAULT_SKIP`
     (embeddings, ``lm_head`` and norms, the usual FP8 rollout practice, e.g. FP8-RL arXiv 2601.18150);
     ``[]`` quantizes every linear. Layers that are already QuantLinear are left alone.
+
+    Matrix weights that are not ``nn.Linear`` layers (GPT-2's ``Conv1D``, the 3-D expert weights of
+    Hugging Face mixture-of-experts blocks) cannot be quantized here; rather than leave them silently in
+    high precision, a model with any outside ``skip`` raises ValueError naming one (and changes nothing).
     """
     if isinstance(skip, str):
         raise ValueError(f"skip must be a list of name substrings, not a single string {skip!r}")
@@ -403,6 +407,7 @@ def quantize_model(
     recipe = get_recipe(recipe)
     if isinstance(model, nn.Linear):
         raise ValueError("model is itself an nn.Linear; use QuantLinear.from_linear for a single layer")
+    check_quantizable(model, recipe, skip)
     targets = [
         name
         for name, module in model.named_modules()
@@ -415,6 +420,42 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QuantLinear.from_linear(getattr(parent, child), recipe, backend))
     return model
+
+
+def unquantizable_weights(model: nn.Module, skip: Iterable[str] = ()) -> list[tuple[str, torch.Size]]:
+    """``(name, shape)`` of matrix weights in ``model`` that :func:`quantize_model` cannot quantize.
+
+    Weights of Hugging Face ``Conv1D`` layers (GPT-2's linears, ``[in, out]``) and parameters of three or
+    more dimensions outside ``nn.Linear`` and torch convolution layers (fused expert weights
+    ``[experts, out, in]``), except where the module or parameter name contains a ``skip`` substring.
+    """
+    found = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or any(s in module_name for s in skip):
+            continue  # torch convolutions (e.g. a Mamba mixer's conv1d) are not matrix weights
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if any(s in full for s in skip):
+                continue
+            conv1d = type(module).__name__ == "Conv1D" and param_name == "weight"
+            if conv1d or param.dim() >= 3:
+                found.append((full, param.shape))
+    return found
+
+
+def check_quantizable(model: nn.Module, recipe: str | QuantRecipe, skip: Iterable[str] | None = None) -> None:
+    """ValueError naming a matrix weight of ``model`` that :func:`quantize_model` would leave in high
+    precision (:func:`unquantizable_weights`; ``skip`` as in :func:`quantize_model`)."""
+    left = unquantizable_weights(model, DEFAULT_SKIP if skip is None else tuple(skip))
+    if left:
+        name, shape = left[0]
+        raise ValueError(
+            f"quantize_model quantizes nn.Linear layers; {len(left)} matrix weights of {type(model).__name__} are "
+            f"not, e.g. {name} {list(shape)}, and would stay in high precision under recipe "
+            f"{get_recipe(recipe).name!r}. Pass skip= with their names to keep them in high precision knowingly; "
+            "quantized rollouts of such models (GPT-2's Conv1D, mixture-of-experts blocks) run in vLLM "
+            "(engine 'vllm')"
+        )
 
 
 def refresh_quantized(model: nn.Module) -> int:

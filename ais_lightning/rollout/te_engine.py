@@ -159,7 +159,8 @@ class TERolloutEngine(TorchRolloutEngine):
     """Torch-engine sampler with Transformer Engine FP8 linears (CUDA only).
 
     Args:
-        model: a Llama-family Hugging Face causal LM (see ``TorchRolloutEngine``); deep-copied.
+        model: a Hugging Face causal LM (see ``TorchRolloutEngine``: the lean forward for the Llama
+            family, the model's own forward otherwise); deep-copied.
         precision: only ``"fp8"``.
         kv_cache_dtype: None / ``"auto"`` or ``"fp8"`` (fake-quantized E4M3 cache, as in the torch engine).
         recipe: ``"current"`` (per-tensor current scaling), ``"block"`` (1x128 x 128x128 blocks, the

@@ -4,14 +4,17 @@
 optionally quantized (``ais_lightning.quant``), and samples with one prefill forward followed by
 lean single-token decode steps. The pieces, one job per module:
 
-- :mod:`ais_lightning.rollout.torch_model`: binding the Llama-family layout (Qwen3, Qwen2, Llama),
-  fused q/k/v, and the per-layer math of the packed prefill and the decode step;
+- :mod:`ais_lightning.rollout.torch_model`: binding the Llama-family layout (Qwen3, Qwen2, Llama, Mistral,
+  Gemma), fused q/k/v, and the per-layer math of the packed prefill and the decode step;
+- :mod:`ais_lightning.rollout.decoders`: the forward state of one call, on that lean path or through the
+  model's own Hugging Face forward (any other causal LM), behind one prefill / step / select protocol;
 - :mod:`ais_lightning.rollout.kv_cache`: the KV-cache workspace kept across ``generate`` calls
   (:meth:`TorchRolloutEngine.release_kv_cache` frees it) and the FP8 KV-cache scales
   (``kv_cache_dtype="fp8"``, recalibrated by the first prefill after each weight sync);
 - :mod:`ais_lightning.rollout.weight_sync`: all-or-nothing weight sync (validate the whole sync,
   then load, re-quantize, reset the KV scales);
-- this module: argument checks (:meth:`TorchRolloutEngine.check_args`) and the prefill/decode loop.
+- this module: argument checks (:meth:`TorchRolloutEngine.check_args`), the choice of forward and the
+  sampling loop.
 
 Position convention (shared with ``ais_lightning.policy``, see :mod:`ais_lightning.rollout.prompts`):
 prompts are LEFT-padded and response token ``t`` of a prompt of length ``L`` sits at position ``L + t``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -29,6 +33,7 @@ from torch import nn
 
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
+from ais_lightning.rollout.decoders import LeanDecoder, TransformersDecoder
 from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_choice,
@@ -40,11 +45,12 @@ from ais_lightning.rollout.engine_args import (
 from ais_lightning.rollout.kv_cache import FP8KVScales, KVWorkspace
 from ais_lightning.rollout.prompts import check_prompts, left_pad
 from ais_lightning.rollout.sampling import check_uniforms, make_generator, sample_next
-from ais_lightning.rollout.torch_model import LeanLlama, sign_sin
+from ais_lightning.rollout.torch_model import LeanLlama, lean_unsupported
 from ais_lightning.rollout.weight_sync import load_validated, requantize, validate_sync
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "MODEL_IMPLS",
     "PRECISIONS",
     "QUANT_BACKENDS",
     "TorchRolloutEngine",
@@ -59,11 +65,16 @@ PRECISIONS = ("fp32", "bf16", "fp8", "fp4", "int8", *NESTED_INT_RECIPES, "fp8_te
 GEMM runs on every FP8 GPU (``backend="fp8_gemm"``); ``fp8`` (blockwise) runs there on Hopper only."""
 KV_CACHE_DTYPES = (None, "auto", "fp8")
 """KV-cache storage formats: None or ``"auto"`` = the model dtype, ``"fp8"`` = fake-quantized E4M3."""
+MODEL_IMPLS = ("auto", "lean", "transformers")
+"""How the engine runs the model: ``lean`` (its own Llama-family forward over a preallocated KV cache,
+:data:`ais_lightning.rollout.torch_model.LEAN_MODEL_TYPES`), ``transformers`` (the model's Hugging Face
+forward and cache: any causal LM), ``auto`` (lean where it applies, else transformers)."""
 QUANT_BACKENDS = ("emulate", "int8", "fp8_gemm")
 """``ais_lightning.quant.quantize_model`` backends."""
 FP8_GEMM_PRECISIONS = ("fp8", "fp8_tensor", "fp8_channel")
 """Precisions ``backend="fp8_gemm"`` (``torch._scaled_mm``) runs; requirements:
 :func:`ais_lightning.quant.linear.fp8_gemm_requirement`."""
+_log = logging.getLogger(__name__)
 _DEFAULT_BACKEND = {
     "fp8": "emulate",
     "fp8_tensor": "emulate",
@@ -73,6 +84,29 @@ _DEFAULT_BACKEND = {
     **dict.fromkeys(NESTED_INT_RECIPES, "emulate"),
 }
 """The quantization backend of each quantized precision when ``backend`` is None."""
+
+
+def _resolve_model_impl(model: nn.Module, model_impl: str, kv_cache_dtype: str | None) -> str:
+    """``"lean"`` or ``"transformers"`` for ``model`` (``model_impl`` already checked); ValueError when the
+    caller insists on the lean forward, or needs it for an FP8 KV cache, and it cannot run the model."""
+    if model_impl == "transformers":
+        return model_impl
+    reason = lean_unsupported(model)
+    if reason is None:
+        return "lean"
+    if model_impl == "lean" or kv_cache_dtype == "fp8":
+        wanted = "model_impl='lean'" if model_impl == "lean" else "kv_cache_dtype='fp8' (lean forward only)"
+        raise ValueError(
+            f"TorchRolloutEngine {wanted}: the lean forward cannot run {type(model).__name__}: {reason}; "
+            "model_impl='transformers' (or 'auto') runs the model's own forward"
+        )
+    return "transformers"
+
+
+def _quantized_modules(model: nn.Module) -> list[nn.Module]:
+    from ais_lightning.quant import QuantLinear
+
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
 
 
 def _module_device(model: nn.Module) -> torch.device:
@@ -128,8 +162,7 @@ class TorchRolloutEngine:
     """Batched sampler over a private (optionally quantized) copy of ``model``.
 
     Args:
-        model: a Hugging Face causal LM with the Llama-family layout (Qwen3, Qwen2, Llama).
-            It is deep-copied; the caller's module is never modified.
+        model: a Hugging Face causal LM. It is deep-copied; the caller's module is never modified.
         precision: ``fp32`` | ``bf16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4`` (NVFP4) | ``int8``.
         kv_cache_dtype: None or ``"auto"`` (model dtype), or ``"fp8"`` (E4M3 fake-quantized, per-head scales).
         backend: quantization backend for fp8/fp4/int8: ``"emulate"`` (exact-numerics fake
@@ -144,6 +177,12 @@ class TorchRolloutEngine:
         compact_below: when the fraction of still-running rows drops to this or below, finished
             rows are dropped from the batch (one gather of the KV cache) so they stop costing work.
             0 disables compaction.
+        model_impl: ``"auto"`` (default): the lean forward for the Llama-family models it reproduces
+            exactly (:func:`ais_lightning.rollout.torch_model.lean_unsupported`: Llama, Mistral, Qwen2,
+            Qwen3, Gemma without sliding windows), the model's own Hugging Face forward for every other
+            causal LM; ``"lean"`` insists on the lean forward (ValueError saying why it cannot run a model);
+            ``"transformers"`` always runs the model's forward (slower per step on small models). An FP8 KV
+            cache needs the lean forward. The resolved choice is :attr:`model_impl`.
     """
 
     PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
@@ -166,6 +205,7 @@ class TorchRolloutEngine:
         device: str | None = None,
         pad_token_id: int | None = None,
         compact_below: float = 0.5,
+        model_impl: str = "auto",
     ) -> None:
         args = TorchRolloutEngine.check_args(
             precision=precision,
@@ -174,26 +214,37 @@ class TorchRolloutEngine:
             device=device,
             pad_token_id=pad_token_id,
             compact_below=compact_below,
+            model_impl=model_impl,
         )
         self.precision = args["precision"]
         self.kv_cache_dtype = args["kv_cache_dtype"]
         self.backend = args["backend"]
         self.compact_below = args["compact_below"]
 
+        self.model_impl = self.check_model(
+            model, precision=self.precision, kv_cache_dtype=self.kv_cache_dtype, model_impl=args["model_impl"]
+        )
+        """The forward this engine runs: ``"lean"`` or ``"transformers"`` (``model_impl="auto"`` resolved)."""
         self.model = copy.deepcopy(model).eval()
         self.model.requires_grad_(False)
         target = args["device"] if args["device"] is not None else _module_device(self.model)
         self._check_device(target)
         self.model.to(target)
         self._prepare_model()
-        self.lean = LeanLlama(self.model)
-        """The bound lean forward (:class:`ais_lightning.rollout.torch_model.LeanLlama`)."""
-        self.vocab_size = self.lean.vocab_size
+        if self.model_impl != "lean":
+            why = lean_unsupported(model) or "model_impl='transformers'"
+            _log.info("TorchRolloutEngine runs %s through its own forward: %s", type(model).__name__, why)
+        self.lean = LeanLlama(self.model) if self.model_impl == "lean" else None
+        """The bound lean forward (:class:`ais_lightning.rollout.torch_model.LeanLlama`), or None when the
+        engine runs the model's own forward."""
+        self.quantized = self.lean.quantized if self.lean is not None else _quantized_modules(self.model)
+        """Every ``QuantLinear`` the forward calls, once: what a weight sync re-quantizes."""
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         if pad_token_id is None:
             pad_token_id = getattr(self.model.config, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
-        self.kv_workspace = KVWorkspace(len(self.lean.layers))
-        """KV-cache memory kept across ``generate`` calls."""
+        self.kv_workspace = KVWorkspace(len(self.lean.layers)) if self.lean is not None else None
+        """KV-cache memory of the lean forward, kept across ``generate`` calls (None: the model's own cache)."""
         self.kv_scales = FP8KVScales() if self.kv_cache_dtype == "fp8" else None
         """FP8 KV-cache scales, or None for a cache in the model dtype."""
 
@@ -237,7 +288,37 @@ class TorchRolloutEngine:
         if not 0.0 <= compact_below < 1.0:
             raise ValueError(f"compact_below must be in [0, 1) for {name}, got {compact_below}")
         check_pad_token_id(name, args["pad_token_id"])
+        check_choice(name, "model_impl", args["model_impl"], MODEL_IMPLS)
+        if args["model_impl"] == "transformers" and args["kv_cache_dtype"] == "fp8":
+            raise ValueError(
+                f"kv_cache_dtype='fp8' needs the lean forward in {name}; model_impl='transformers' runs the "
+                "model's own cache in the model dtype"
+            )
         return args
+
+    @staticmethod
+    def check_model(
+        model: nn.Module,
+        precision: str = "fp32",
+        kv_cache_dtype: str | None = None,
+        model_impl: str = "auto",
+        **other_arguments: Any,
+    ) -> str:
+        """Check what depends on ``model`` itself, without copying it; returns the forward the engine will run.
+
+        ``model_impl`` is resolved (``"lean"`` or ``"transformers"``; ValueError when ``"lean"``, or an FP8 KV
+        cache, is asked of a model the lean forward cannot run), and a quantized ``precision`` must find every
+        matrix weight quantizable (:func:`ais_lightning.quant.check_quantizable`). ``ais-train`` calls this
+        on the initial policy before its warm start; ``other_arguments`` (the engine's other constructor
+        arguments) are ignored.
+        """
+        kv = None if kv_cache_dtype == "auto" else kv_cache_dtype
+        impl = _resolve_model_impl(model, model_impl, kv)
+        if precision in _DEFAULT_BACKEND:
+            from ais_lightning.quant import check_quantizable, get_recipe
+
+            check_quantizable(model, get_recipe(precision))
+        return impl
 
     # ------------------------------------------------------------------ setup
     def _check_device(self, device: torch.device) -> None:
@@ -262,11 +343,11 @@ class TorchRolloutEngine:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lean.dtype
+        return self.model.get_input_embeddings().weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lean.device
+        return self.model.get_input_embeddings().weight.device
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Context every forward runs in (subclasses add e.g. an FP8 autocast)."""
@@ -274,7 +355,8 @@ class TorchRolloutEngine:
 
     def release_kv_cache(self) -> None:
         """Free the KV-cache memory kept between ``generate`` calls (the next call allocates it again)."""
-        self.kv_workspace.release()
+        if self.kv_workspace is not None:
+            self.kv_workspace.release()
 
     def set_precision(self, precision: str) -> None:
         """Switch the engine to another emulated quantization recipe in place (progressive precision).
@@ -320,7 +402,7 @@ class TorchRolloutEngine:
 
     def _after_sync(self) -> None:
         """Re-derive cached low-precision weights after new weights were loaded."""
-        requantize(self.lean.quantized)  # empty at fp32/bf16
+        requantize(self.quantized)  # empty at fp32/bf16
 
     # --------------------------------------------------------------- generate
     @torch.inference_mode()
@@ -345,69 +427,25 @@ class TorchRolloutEngine:
         with self.forward_context():
             return self._generate(prompts, sampling, uniforms)
 
+    def _decoder(self) -> LeanDecoder | TransformersDecoder:
+        """A fresh forward state for one ``generate`` call (:mod:`ais_lightning.rollout.decoders`)."""
+        if self.lean is not None:
+            return LeanDecoder(self.lean, self.kv_workspace, self.kv_scales)
+        return TransformersDecoder(self.model)
+
     def _generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, uniforms: torch.Tensor | None = None
     ) -> RolloutBatch:
-        lean, kv_scales = self.lean, self.kv_scales
-        dev, dtype, n = self.device, self.dtype, sampling.n
-        num_layers = len(lean.layers)
+        dev, n = self.device, sampling.n
         gen = make_generator(sampling.seed, dev)
         noise = uniforms.to(dev) if uniforms is not None else None  # [B, >= N], indexed by original row
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)  # [Bp, P]
         prompt_ids, prompt_mask = prompt_ids.to(dev), prompt_mask.to(dev)
-        bp, plen = prompt_ids.shape
+        bp = prompt_ids.shape[0]
         batch, new = bp * n, sampling.max_new_tokens
-        total = plen + new
-        lengths = prompt_mask.sum(-1)  # [Bp]
-        qk_ws = lean.qk_norm_weights()
+        decoder = self._decoder()
+        logits = decoder.prefill(prompt_ids, prompt_mask, n, new)  # [B, V]
 
-        # Positions of every slot: prompt per the convention, response token t at L + t.
-        pos = torch.cat(
-            [
-                (prompt_mask.long().cumsum(-1) - 1).clamp(min=0),
-                lengths[:, None] + torch.arange(new, device=dev),
-            ],
-            dim=1,
-        )  # [Bp, P + N]
-        cos, sin = lean.rotary(lean.embed.weight[:1], pos)  # [Bp, P + N, D]
-        cos, sin_signed = cos.to(dtype), sign_sin(sin.to(dtype))
-
-        # Prefill once per distinct prompt, over its real tokens only (packed: no pad token goes through
-        # the projections or the MLP); causal attention over valid keys (a pad query sees itself: no NaN).
-        causal = torch.ones(plen, plen, dtype=torch.bool, device=dev).tril()  # [P, P]
-        eye = torch.eye(plen, dtype=torch.bool, device=dev)
-        pre_mask = (causal & prompt_mask[:, None, :]) | eye  # [Bp, P, P]
-        pre_mask = pre_mask[:, None]  # [Bp, 1, P, P]
-        tokens = prompt_mask.nonzero(as_tuple=True)  # (row [N], slot [N]), row-major
-        last = lengths.cumsum(0) - 1  # [Bp] packed index of each prompt's last token
-        cache_shape = (batch, lean.n_kv, total, lean.head_dim)
-        k_caches, v_caches = self.kv_workspace.caches(cache_shape, dtype, dev)
-        x = lean.embed(prompt_ids[tokens])  # [N, H]
-        pre_cos, pre_sin = cos[tokens][:, None], sin_signed[tokens][:, None]  # [N, 1, D]
-        for i in range(num_layers):
-            # Pad slots are masked, but must hold finite values (0 * NaN is NaN in the attention GEMMs).
-            k_caches[i][:bp, :, :plen].zero_()
-            v_caches[i][:bp, :, :plen].zero_()
-            x = lean.prefill_layer(
-                i, x, pre_cos, pre_sin, k_caches[i], v_caches[i], tokens, pre_mask, qk_ws[i], kv_scales
-            )
-            if n > 1:  # fan the prompt's K/V out to its n sample rows (rows [0, Bp) were scratch)
-                k_caches[i][:, :, :plen] = k_caches[i][:bp, :, :plen].repeat_interleave(n, dim=0)
-                v_caches[i][:, :, :plen] = v_caches[i][:bp, :, :plen].repeat_interleave(n, dim=0)
-        logits = lean.logits(x[last])  # [Bp, V]
-
-        # Decode tables, per row: cos/sin of every slot and, when some prompt is padded, an additive
-        # key bias (0 / -inf) already expanded over the KV heads (the attention runs on B * Hkv).
-        cos, sin_signed = cos[:, :, None], sin_signed[:, :, None]  # [Bp, P + N, 1, D]
-        key_bias = None
-        if not bool(prompt_mask.all()):
-            key_bias = torch.zeros((bp, lean.n_kv, 1, total), dtype=dtype, device=dev)
-            key_bias[:, :, 0, :plen].masked_fill_(~prompt_mask[:, None], float("-inf"))  # [Bp, Hkv, 1, P+N]
-        if n > 1:
-            logits = logits.repeat_interleave(n, dim=0)  # [B, V]
-            cos, sin_signed = cos.repeat_interleave(n, dim=0), sin_signed.repeat_interleave(n, dim=0)
-            if key_bias is not None:
-                key_bias = key_bias.repeat_interleave(n, dim=0)
         out_ids = torch.full((batch, new), self.pad_token_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((batch, new), dtype=torch.float32, device=dev)
         out_mask = torch.zeros((batch, new), dtype=torch.bool, device=dev)
@@ -440,21 +478,10 @@ class TorchRolloutEngine:
                     break
                 if n_alive <= self.compact_below * rows.numel():
                     keep = alive.nonzero().squeeze(-1)  # [R']
-                    k_caches = [c[keep] for c in k_caches]
-                    v_caches = [c[keep] for c in v_caches]
-                    cos, sin_signed = cos[keep], sin_signed[keep]
-                    key_bias = key_bias[keep] if key_bias is not None else None
+                    decoder.select(keep)
                     rows, alive, tok = rows[keep], alive[keep], tok[keep]
                     out_rows = rows
-            slot = plen + t
-            x = lean.embed(tok)  # [R, H]
-            step_bias = key_bias[..., : slot + 1] if key_bias is not None else None  # [R, Hkv, 1, slot + 1]
-            step_cos, step_sin = cos[:, slot], sin_signed[:, slot]  # [R, 1, D]
-            for i in range(num_layers):
-                x = lean.decode_layer(
-                    i, x, step_cos, step_sin, k_caches[i], v_caches[i], slot, step_bias, qk_ws[i], kv_scales
-                )
-            logits = lean.logits(x)  # [R, V]
+            logits = decoder.step(tok, t)  # [R, V]
 
         finish = ["stop" if s else "length" for s in stopped.tolist()]
         index = torch.arange(bp, device=dev).repeat_interleave(n)

@@ -2,8 +2,9 @@
 
 :class:`LeanLlama` finds the submodules of a Hugging Face causal LM that the torch engine calls
 (``model.model.{embed_tokens, layers, norm, rotary_emb}``, ``model.lm_head``; attention with
-``q_proj/k_proj/v_proj/o_proj`` and optional per-head ``q_norm/k_norm``: Qwen3, Qwen2, Llama; full
-attention only) and runs one decoder layer at a time over a caller-owned KV cache: a packed prefill
+``q_proj/k_proj/v_proj/o_proj`` and optional per-head ``q_norm/k_norm``: Llama, Mistral, Qwen2, Qwen3,
+Gemma; full attention only, :func:`lean_unsupported` says what else it refuses) and runs one decoder
+layer at a time over a caller-owned KV cache: a packed prefill
 layer (projections and MLP on the real prompt tokens only) and a single-token decode layer. It calls
 the model's own submodules (norms, projections, MLP, lm_head: quantized ``QuantLinear`` layers are
 used as they are) but not HF's generic forward/cache machinery, which costs more per step than the
@@ -99,11 +100,84 @@ def fused_linear(mods: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+"""``config.model_type`` of the families whose Hugging Face forward :class:`LeanLlama` reproduces (each is
+checked against the model's own forward in the tests): pre-norm decoder layers, full causal attention with
+q/k/v/o projections (optional biases and per-head q/k norms), RoPE from the model's ``rotary_emb``, a gated
+or plain MLP module, ``lm_head`` logits used as they are."""
+_SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""RoPE types whose frequencies depend on the length of the sequence being run (the lean forward computes
+the angles of all positions at once, Hugging Face's decode one position at a time)."""
+
+
+def _rope_types(config: object) -> set[str]:
+    """Every ``rope_type`` named in ``config.rope_parameters`` / ``rope_scaling`` (nested per layer type too)."""
+    found: set[str] = set()
+    stack = [getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if key in ("rope_type", "type") and isinstance(value, str):
+                    found.add(value)
+                elif isinstance(value, dict):
+                    stack.append(value)
+    return found
+
+
+def _sliding_window(config: object) -> str | None:
+    """How ``config`` asks for sliding-window attention (the mask, not the attention module, applies it in
+    Hugging Face's Mistral / Qwen2 / Qwen3), or None for full attention in every layer."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = [i for i, kind in enumerate(layer_types) if "sliding" in str(kind)]
+        return f"layer_types {layer_types[sliding[0]]!r} in layer {sliding[0]}" if sliding else None
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return f"sliding_window={window}"
+    return None
+
+
+def lean_unsupported(model: nn.Module) -> str | None:
+    """Why :class:`LeanLlama` cannot run ``model`` exactly, or None when it can.
+
+    The model must be one of :data:`LEAN_MODEL_TYPES` with their layout (``model.model.{embed_tokens, layers,
+    norm, rotary_emb}``, ``model.lm_head``, ``self_attn.{q,k,v,o}_proj``), no sliding-window layer, no logit
+    transform and no sequence-length-dependent RoPE. Anything else runs the model's own forward
+    (``TorchRolloutEngine(model_impl="transformers")``).
+    """
+    from ais_lightning.models.head import logit_transform
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one it implements {LEAN_MODEL_TYPES}"
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
+        return f"it needs model.model.{{{', '.join(needed)}}} and model.lm_head"
+    for i, layer in enumerate(inner.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, f"{p}_proj") for p in "qkvo"):
+            return f"layer {i} has no self_attn.{{q,k,v,o}}_proj"
+        if getattr(attn, "sliding_window", None):
+            return f"layer {i} uses sliding-window attention"
+    window = _sliding_window(config)
+    if window is not None:
+        return f"it uses sliding-window attention ({window})"
+    if not logit_transform(config).is_identity:
+        return f"its forward transforms the logits ({logit_transform(config)})"
+    dependent = sorted(_rope_types(config) & set(_SEQUENCE_DEPENDENT_ROPE))
+    if dependent:
+        return f"its RoPE type {dependent[0]!r} depends on the sequence length"
+    return None
+
+
 class LeanLlama:
     """The submodules of a Llama-family causal LM bound for the lean forward, with fused q/k/v.
 
     Binds ``model`` in place (its q/k/v weights become views into fused weights); raises ValueError
-    on a layout it does not cover (not Llama-family, sliding-window attention).
+    on a model it does not reproduce exactly (:func:`lean_unsupported` says why).
 
     Attributes: ``embed``, ``layers``, ``norm``, ``rotary``, ``lm_head`` (the model's modules);
     ``n_heads``, ``n_kv``, ``head_dim``, ``vocab_size``; ``scaling`` (per layer attention scale);
@@ -113,19 +187,10 @@ class LeanLlama:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        inner = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
-            raise ValueError(
-                f"TorchRolloutEngine supports Llama-family causal LMs (model.model.{{{', '.join(needed)}}} and "
-                f"model.lm_head; e.g. Qwen3, Qwen2, Llama), got {type(model).__name__}"
-            )
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            if getattr(attn, "sliding_window", None):
-                raise ValueError(
-                    f"layer {i} uses sliding-window attention, which TorchRolloutEngine does not support"
-                )
+        reason = lean_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward cannot run {type(model).__name__}: {reason}")
+        inner = model.model
         cfg = model.config
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)

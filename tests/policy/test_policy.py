@@ -129,9 +129,10 @@ def test_entropy_off_by_default(model):
 def test_gradients_match_naive_and_chunks_bound_the_head():
     model = build_tiny_qwen3(seed=2)
     batch = make_batch(seed=2)
+    policy = Policy(model)  # before the hook: construction probes the head once
     calls = []
     handle = model.lm_head.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
-    out = Policy(model).response_logprobs(*batch, temperature=0.7, compute_entropy=True, chunk_size=4)
+    out = policy.response_logprobs(*batch, temperature=0.7, compute_entropy=True, chunk_size=4)
     (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
     handle.remove()
     # 9 valid tokens -> chunks of 4, 4, 1 in forward, each recomputed once in backward (checkpointing).

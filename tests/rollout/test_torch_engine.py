@@ -354,6 +354,7 @@ def test_check_args_fills_the_constructor_defaults_and_normalizes():
         "device": None,  # the device of the model the engine is given
         "pad_token_id": None,
         "compact_below": 0.5,
+        "model_impl": "auto",
     }
     args = TorchRolloutEngine.check_args(precision="fp4", kv_cache_dtype="auto")
     assert (args["backend"], args["kv_cache_dtype"]) == ("emulate", None)

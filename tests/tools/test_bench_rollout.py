@@ -21,7 +21,7 @@ def _load_tool():
 def test_bench_rows_ratios_and_table(tmp_path):
     bench = _load_tool()
     out = tmp_path / "bench.json"
-    engines = ["hf-fp32", "torch-fp32", "torch-int8"]
+    engines = ["hf-fp32", "torch-fp32", "torch-int8", "torch_hf-int8"]
     result = bench.main(["--config", "tiny", "--engines", *engines, "--new-tokens", "2", "--out", str(out)])
 
     saved = json.loads(out.read_text())
@@ -35,7 +35,7 @@ def test_bench_rows_ratios_and_table(tmp_path):
         assert r["vs_hf_fp32"] == pytest.approx(r["tokens_per_s"] / hf)
         # ms per step and tokens/s describe the same timing: batch * 1000 / ms_per_step
         assert r["tokens_per_s"] == pytest.approx(saved["shape"]["batch"] * 1000 / r["ms_per_step"])
-    assert rows["torch-int8"]["roofline_rate"] == "int8"
+    assert rows["torch-int8"]["roofline_rate"] == rows["torch_hf-int8"]["roofline_rate"] == "int8"
     assert rows["torch-fp32"]["roofline_rate"] == "fp32"
 
     table = bench.markdown_table(saved)

@@ -1,0 +1,52 @@
+"""``ais-train policy=local`` on causal LMs outside the Llama family, end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ais_lightning.models import build_char_tokenizer, save_tiny_model
+from tests.architectures import build
+from tests.integration.helpers import SMOKE, run_train
+
+pytestmark = pytest.mark.slow
+
+
+def _saved(name: str, root: Path) -> str:
+    """The tiny ``name`` model with the built-in character tokenizer, saved as a local model directory."""
+    tokenizer = build_char_tokenizer()
+    ids = {key: getattr(tokenizer, key) for key in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    return save_tiny_model(build(name, vocab_size=len(tokenizer), **ids), tokenizer, root / name)
+
+
+@pytest.mark.parametrize("name", ["granite", "gpt2"])
+def test_grpo_on_a_local_model_of_another_family(tmp_path: Path, name: str):
+    """Granite (scaled logits: the policy's transform, the engine's own forward) with fbgemm int8 rollouts;
+    GPT-2 (Conv1D linears, which int8 cannot quantize) with fp32 rollouts."""
+    rollout = "int8" if name == "granite" else "fp32"
+    out = tmp_path / "run"
+    run_train(
+        [*SMOKE, "policy=local", f"policy.path={_saved(name, tmp_path)}", f"rollout={rollout}", "logger=csv",
+         f"hydra.run.dir={out}"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and math.isfinite(summary["kl_k3_mean"])
+    if name == "granite":  # int8 rollouts differ from the fp32 trainer
+        assert summary["kl_k3_mean"] > 0
+    else:  # fp32 rollouts through GPT-2's own forward are the trainer's distribution
+        assert summary["kl_k3_mean"] < 1e-6
+
+
+def test_quantized_rollouts_of_gpt2_fail_before_the_warm_start_and_name_the_layer(tmp_path: Path):
+    path = _saved("gpt2", tmp_path)
+    args = [*SMOKE, "warmstart=default", "policy=local", f"policy.path={path}", "rollout=int8", "logger=none"]
+    with pytest.raises(
+        AssertionError, match=r"rollout \(TorchRolloutEngine on the policy's model\).*c_attn.weight"
+    ):
+        run_train(args, cwd=tmp_path)
+    cache = tmp_path / "cache"  # run_train's AIS_LIGHTNING_CACHE: no warm start was trained or stored
+    assert not any(cache.rglob("policy.pt"))

@@ -127,3 +127,22 @@ def test_what_keeps_a_lean_family_off_the_lean_forward():
     stripped = build("llama")
     del stripped.model.rotary_emb
     assert "model.model.{embed_tokens, layers, norm, rotary_emb}" in lean_unsupported(stripped)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gpt2", "qwen3_moe"])
+def test_fp32_logprobs_match_the_policy_on_cuda(name):
+    """The same parity on a GPU (fp32; torch leaves TF32 matmuls off by default): the lean path and the
+    model's own forward with CUDA kernels."""
+    model = build(name).cuda()
+    engine = TorchRolloutEngine(model, precision="fp32", compact_below=0.9)
+    assert engine.device.type == "cuda" and engine.model_impl == ("lean" if name in LEAN else "transformers")
+    batch = engine.generate(
+        PROMPTS, SamplingConfig(n=3, temperature=0.8, max_new_tokens=8, stop_token_ids=STOPS, seed=0)
+    )
+    diff = _policy_logprobs(model, batch, 0.8) - batch.rollout_logprobs
+    assert diff[batch.response_mask].abs().max().item() < 1e-4
+    rows = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    with torch.no_grad():  # the same weights on the CPU score the GPU's samples alike
+        cpu_lp = Policy(build(name)).response_logprobs(*(t.cpu() for t in rows), temperature=0.8).logprobs
+    assert (cpu_lp - batch.rollout_logprobs.cpu())[batch.response_mask.cpu()].abs().max().item() < 1e-4

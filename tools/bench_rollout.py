@@ -34,10 +34,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -45,6 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from ais_lightning.measure import PeakRSS
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
 from ais_lightning.rollout.prompts import left_pad
 
@@ -94,32 +93,6 @@ ENGINES = (
     "vllm-fp32",
     "vllm-bf16",
 )
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    """Context manager sampling RSS in a thread; ``.peak_delta`` = max RSS - RSS at entry (bytes)."""
-
-    def __enter__(self) -> PeakRSS:
-        self.base = self.peak = _rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
-        self.peak_delta = self.peak - self.base
 
 
 def build_model(cfg: BenchConfig) -> nn.Module:

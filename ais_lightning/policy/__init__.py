@@ -8,6 +8,7 @@ from ais_lightning.policy.policy import (
     build_sequences,
     chunked_response_logprobs,
     disable_dropout_in,
+    enable_activation_checkpointing,
     load_named_tensors,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "build_sequences",
     "chunked_response_logprobs",
     "disable_dropout_in",
+    "enable_activation_checkpointing",
     "load_named_tensors",
     "tiny_diffusion_policy",
 ]

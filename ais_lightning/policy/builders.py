@@ -102,6 +102,8 @@ class TinyQwen3:
     [N1, int4], [N2, int2]]`` (start rollout step, recipe); None = one recipe (``aligned_quantization``)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """``Qwen3Config`` overrides of the tiny model, e.g. ``{num_hidden_layers: 2}``."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations (less memory)."""
 
     def __post_init__(self) -> None:
         _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization)
@@ -124,6 +126,7 @@ class TinyQwen3:
             self.logprob_chunk_size,
             self.aligned_quantization,
             aligned_schedule=self.aligned_schedule,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
 
 
@@ -144,6 +147,8 @@ class Pretrained:
     [N1, int4], [N2, int2]]`` (start rollout step, recipe); None = one recipe (``aligned_quantization``)."""
     disable_dropout: bool = True
     """Set the model's dropout probabilities to 0 (as TRL's GRPO), so log-probs are deterministic."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations (less memory)."""
 
     def __post_init__(self) -> None:
         if not self.path or not os.path.isdir(self.path):
@@ -166,6 +171,7 @@ class Pretrained:
             aligned_quantization=self.aligned_quantization,
             aligned_schedule=self.aligned_schedule,
             disable_dropout=self.disable_dropout,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
 
 

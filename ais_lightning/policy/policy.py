@@ -180,6 +180,26 @@ def disable_dropout_in(model: nn.Module) -> int:
     return changed
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's activation checkpointing on every decoder layer of ``model``, non-reentrant.
+
+    In training mode each layer keeps only its input and recomputes the rest in backward (what TRL's
+    ``gradient_checkpointing`` and verl's ``enable_gradient_checkpointing`` turn on); parameter names and
+    values are unchanged, so weight sync, checkpoints and FSDP2 sharding see the same model. ValueError
+    for a model whose class does not support it.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"gradient_checkpointing: {type(model).__name__} does not support Hugging Face activation "
+            "checkpointing (supports_gradient_checkpointing is not True)"
+        )
+    kwargs = {"use_reentrant": False}  # composes with FSDP2 and with inputs that need no grad
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _head_logprobs(
     lm_head: nn.Module,
     transform: LogitTransform,
@@ -327,7 +347,9 @@ class Policy(nn.Module):
     Any causal LM: the log-probs are those of the model's own forward (its logit transform included,
     checked against it at construction: :mod:`ais_lightning.models.head`). ``disable_dropout`` (default,
     as TRL's GRPO) sets every dropout probability to 0, so pi_old, the loss's pi and the importance ratio
-    against the engine are deterministic functions of the weights.
+    against the engine are deterministic functions of the weights. ``gradient_checkpointing`` recomputes
+    each decoder layer in backward instead of keeping its activations
+    (:func:`enable_activation_checkpointing`): less memory, about one more forward of time.
 
     Under FSDP2, ``fully_shard`` each decoder layer, then ``policy.model`` and/or the Policy (or its parent).
     The decoder body and the chunked head are called directly rather than through ``model.forward``; when
@@ -343,6 +365,7 @@ class Policy(nn.Module):
         aligned_quantization: str | None = None,
         aligned_schedule: Any = None,
         disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -358,6 +381,8 @@ class Policy(nn.Module):
         self.model = model
         if disable_dropout:
             disable_dropout_in(model)
+        if gradient_checkpointing:
+            enable_activation_checkpointing(model)
         self.logit_transform = self._checked_logit_transform(model)
         """What the model's forward does to ``lm_head``'s logits (Granite's scaling, Gemma 2's soft cap, ...),
         applied by the chunked head too (:mod:`ais_lightning.models.head`)."""
@@ -459,12 +484,13 @@ class Policy(nn.Module):
         aligned_quantization: str | None = None,
         aligned_schedule: Any = None,
         disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
         **model_kwargs,
     ) -> Policy:
         """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
         ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``,
-        ``disable_dropout``: as in the constructor."""
+        ``disable_dropout``, ``gradient_checkpointing``: as in the constructor."""
         from transformers import AutoModelForCausalLM
 
         path = os.fspath(path)
@@ -480,6 +506,7 @@ class Policy(nn.Module):
             aligned_quantization=aligned_quantization,
             aligned_schedule=aligned_schedule,
             disable_dropout=disable_dropout,
+            gradient_checkpointing=gradient_checkpointing,
         )
 
     @property

@@ -143,3 +143,21 @@ def test_qarl_trains_a_few_steps_on_fp8_rollouts(tmp_path: Path):
     assert summary["steps"] == 2
     # The trainer's forward is aligned with the fp8 engine: the mismatch is (nearly) gone.
     assert summary["kl_k3_mean"] < 1e-5
+
+
+def test_gradient_checkpointing_trains_the_same_run(tmp_path: Path):
+    """``policy.gradient_checkpointing=true`` recomputes the layers in backward: the same 3 steps, to rounding."""
+    histories = []
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        run_train(
+            [*SMOKE, "trainer.max_steps=3", f"policy.gradient_checkpointing={flag}", "logger=none",
+             f"hydra.run.dir={out}"],
+            cwd=tmp_path,
+        )  # fmt: skip
+        histories.append(json.loads((out / "history.json").read_text()))
+    plain, checkpointed = histories
+    assert len(plain) == len(checkpointed) == 3
+    for a, b in zip(plain, checkpointed):
+        for key in ("reward", "kl_k3", "entropy", "lambda"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)

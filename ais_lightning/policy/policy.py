@@ -349,7 +349,9 @@ class Policy(nn.Module):
     as TRL's GRPO) sets every dropout probability to 0, so pi_old, the loss's pi and the importance ratio
     against the engine are deterministic functions of the weights. ``gradient_checkpointing`` recomputes
     each decoder layer in backward instead of keeping its activations
-    (:func:`enable_activation_checkpointing`): less memory, about one more forward of time.
+    (:func:`enable_activation_checkpointing`): less memory, about one more forward of time. The model is put
+    in training mode (``from_pretrained`` returns it in eval mode, and Lightning keeps each module's mode
+    through ``fit``, so checkpointing, which acts in training mode only, would otherwise be off).
 
     Under FSDP2, ``fully_shard`` each decoder layer, then ``policy.model`` and/or the Policy (or its parent).
     The decoder body and the chunked head are called directly rather than through ``model.forward``; when
@@ -378,7 +380,7 @@ class Policy(nn.Module):
             or logprob_chunk_size < 1
         ):
             raise ValueError(f"logprob_chunk_size must be an int >= 1, got {logprob_chunk_size!r}")
-        self.model = model
+        self.model = model.train()  # Hugging Face's from_pretrained returns eval mode; Lightning keeps modes
         if disable_dropout:
             disable_dropout_in(model)
         if gradient_checkpointing:

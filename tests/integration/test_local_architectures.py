@@ -28,11 +28,13 @@ def test_grpo_on_a_local_model_of_another_family(tmp_path: Path, name: str):
     GPT-2 (Conv1D linears, which int8 cannot quantize) with fp32 rollouts."""
     rollout = "int8" if name == "granite" else "fp32"
     out = tmp_path / "run"
-    run_train(
+    proc = run_train(
         [*SMOKE, "policy=local", f"policy.path={_saved(name, tmp_path)}", f"rollout={rollout}", "logger=csv",
-         f"hydra.run.dir={out}"],
+         "policy.gradient_checkpointing=true", f"hydra.run.dir={out}"],
         cwd=tmp_path,
     )  # fmt: skip
+    # from_pretrained loads in eval mode; the policy trains in training mode (where checkpointing acts)
+    assert "in eval mode at the start of training" not in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and math.isfinite(summary["kl_k3_mean"])
     if name == "granite":  # int8 rollouts differ from the fp32 trainer

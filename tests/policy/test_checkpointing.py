@@ -52,3 +52,16 @@ def test_a_model_without_support_is_named():
     cls, kwargs = ARCHITECTURES["llama"]
     with pytest.raises(ValueError, match="gradient_checkpointing: _NoCheckpointing does not support"):
         Policy(_NoCheckpointing(cls(**kwargs)), gradient_checkpointing=True)
+
+
+def test_a_pretrained_model_trains_in_training_mode(tmp_path):
+    """from_pretrained returns eval mode, in which Hugging Face skips checkpointing; the policy trains."""
+    from ais_lightning.models import build_char_tokenizer, save_tiny_model
+
+    path = save_tiny_model(build_tiny_qwen3(seed=0), build_char_tokenizer(), tmp_path / "tiny")
+    assert not T.AutoModelForCausalLM.from_pretrained(path).training
+    policy = Policy.from_pretrained(path, gradient_checkpointing=True)
+    assert all(m.training for m in policy.model.modules())
+    _, saved_bytes = _loss_and_saved_bytes(policy)
+    _, plain_bytes = _loss_and_saved_bytes(Policy.from_pretrained(path))
+    assert saved_bytes < 0.5 * plain_bytes

@@ -164,19 +164,23 @@ def build_sequences(
 def disable_dropout_in(model: nn.Module) -> int:
     """Set every dropout probability of ``model`` to 0, in place; returns how many were nonzero.
 
-    ``nn.Dropout`` modules (GPT-2, OPT, ...) and the float ``attention_dropout`` / ``dropout`` attributes
-    Hugging Face attention modules read in training mode (Llama, Qwen, Phi-3, ...).
+    ``nn.Dropout`` modules (GPT-2, OPT, ...), the float attributes Hugging Face modules read in training
+    mode (``attention_dropout`` in Llama, Qwen, Phi-3; ``attn_dropout`` in GPTBigCode; any float attribute
+    whose name contains ``drop``) and the config's (``config.attention_dropout``, read directly by some
+    attention functions).
     """
     changed = 0
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             changed += module.p != 0
             module.p = 0.0
-        for attr in ("attention_dropout", "dropout"):
-            value = getattr(module, attr, None)
-            if isinstance(value, float):
-                changed += value != 0
-                setattr(module, attr, 0.0)
+            continue
+        config = getattr(module, "config", None)
+        for owner in (module, config) if config is not None else (module,):
+            for name, value in list(vars(owner).items()):
+                if "drop" in name and isinstance(value, float) and not isinstance(value, bool) and value != 0:
+                    setattr(owner, name, 0.0)
+                    changed += 1
     return changed
 
 

@@ -147,17 +147,22 @@ class TransformersDecoder:
         """Ask for the last position's logits only, where the forward supports it."""
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         """The forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+        self.pass_cache_position = "cache_position" in params
+        """Pass the cache slots being written (state-space models such as Mamba tell prefill from decode by
+        them; attention models derive them from the cache's length)."""
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, new: int) -> torch.Tensor:
         """Prompts ``[Bp, P]`` (left-padded) -> logits ``[Bp * n, V]``; the cache holds every row."""
         mask = prompt_mask.long()  # [Bp, P]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [Bp, P]
+        self.slot = prompt_ids.shape[1]  # cache slots 0..P-1 hold the (left-padded) prompts
         out = self.model(
             input_ids=prompt_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             **self.prefill_kwargs,
+            **self._cache_position(0, self.slot, prompt_ids.device),
         )
         self.cache = _returned_cache(out)
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(n)  # [B]
@@ -176,9 +181,16 @@ class TransformersDecoder:
             position_ids=(self.lengths + t)[:, None],
             use_cache=True,
             **{self.cache_kwarg: self.cache},
+            **self._cache_position(self.slot, self.slot + 1, tokens.device),
         )
+        self.slot += 1
         self.cache = _returned_cache(out)
         return out.logits[:, -1]  # [R, V]
+
+    def _cache_position(self, start: int, stop: int, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self.pass_cache_position:
+            return {}
+        return {"cache_position": torch.arange(start, stop, device=device)}
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep running rows ``keep`` ``[R']``."""
@@ -191,3 +203,47 @@ def _returned_cache(out: object) -> object:
     ``out.past_key_values``)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+CACHED_DECODE_TOLERANCE: dict[torch.dtype | None, float] = {
+    torch.float32: 1e-3,
+    torch.float64: 1e-3,
+    None: 5e-2,
+}
+"""Largest log-prob difference (nats) accepted between cached decoding and a full forward, by the model's
+dtype (None: any other): about 1e-6 in fp32 for an attention model, 0.1 or more where the cache does not
+carry what the forward needs (state-space models driven by an attention mask)."""
+
+
+@torch.no_grad()
+def cached_decode_mismatch(model: nn.Module, steps: int = 3) -> float:
+    """Largest log-prob difference between :class:`TransformersDecoder`'s cached decoding and one full forward.
+
+    Two prompts (one left-padded) decode ``steps`` fixed tokens with the cache; the same sequences then run
+    through the model's forward at once, with the positions of the shared convention. In eval mode; the
+    model's mode is restored.
+    """
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    ids = lambda *xs: [x % vocab for x in xs]  # noqa: E731
+    prompt_ids = torch.tensor([ids(3, 4, 5, 6), ids(0, 0, 7, 8)], device=device)  # [2, 4], row 1 left-padded
+    prompt_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool, device=device)
+    tokens = torch.tensor([ids(9, 10, 11), ids(12, 13, 14)], device=device)[:, :steps]  # [2, steps]
+    was_training = model.training
+    model.eval()
+    try:
+        decoder = TransformersDecoder(model)
+        cached = [decoder.prefill(prompt_ids, prompt_mask, 1, steps)]
+        for t in range(steps - 1):
+            cached.append(decoder.step(tokens[:, t], t))
+        cached_lp = torch.stack(cached, dim=1).float().log_softmax(-1)  # [2, steps, V]
+        full_ids = torch.cat([prompt_ids, tokens[:, : steps - 1]], dim=1)  # [2, 4 + steps - 1]
+        mask = torch.cat([prompt_mask, torch.ones_like(tokens[:, : steps - 1], dtype=torch.bool)], 1).long()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=full_ids, attention_mask=mask, position_ids=positions, use_cache=False
+        ).logits
+        full_lp = logits[:, prompt_ids.shape[1] - 1 :].float().log_softmax(-1)  # [2, steps, V]
+    finally:
+        model.train(was_training)
+    return float((cached_lp - full_lp).abs().max())

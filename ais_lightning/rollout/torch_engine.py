@@ -33,7 +33,12 @@ from torch import nn
 
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
-from ais_lightning.rollout.decoders import LeanDecoder, TransformersDecoder
+from ais_lightning.rollout.decoders import (
+    CACHED_DECODE_TOLERANCE,
+    LeanDecoder,
+    TransformersDecoder,
+    cached_decode_mismatch,
+)
 from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_choice,
@@ -101,6 +106,21 @@ def _resolve_model_impl(model: nn.Module, model_impl: str, kv_cache_dtype: str |
             "model_impl='transformers' (or 'auto') runs the model's own forward"
         )
     return "transformers"
+
+
+def _check_cached_decoding(model: nn.Module) -> None:
+    """ValueError when ``model``'s own forward decodes differently with its cache than without (a probe:
+    :func:`ais_lightning.rollout.decoders.cached_decode_mismatch`)."""
+    dtype = model.get_input_embeddings().weight.dtype
+    tolerance = CACHED_DECODE_TOLERANCE.get(dtype, CACHED_DECODE_TOLERANCE[None])
+    mismatch = cached_decode_mismatch(model)
+    if not mismatch <= tolerance:
+        raise ValueError(
+            f"TorchRolloutEngine cannot run {type(model).__name__} through its own forward: decoding with its "
+            f"cache differs from a full forward by {mismatch:.3g} nats (> {tolerance:g}) on a probe of left-padded "
+            "prompts, so its rollout log-probs would not be the model's. State-space and hybrid models (Mamba, "
+            "Jamba, ...) are not supported by the torch engine; engine 'vllm' runs them"
+        )
 
 
 def _quantized_modules(model: nn.Module) -> list[nn.Module]:
@@ -314,6 +334,8 @@ class TorchRolloutEngine:
         """
         kv = None if kv_cache_dtype == "auto" else kv_cache_dtype
         impl = _resolve_model_impl(model, model_impl, kv)
+        if impl == "transformers":
+            _check_cached_decoding(model)
         if precision in _DEFAULT_BACKEND:
             from ais_lightning.quant import check_quantizable, get_recipe
 

@@ -81,9 +81,21 @@ def test_dropout_is_off_by_default_and_log_probs_are_deterministic():
     assert torch.equal(a, b)
 
 
+def test_float_dropout_attributes_and_the_config_are_zeroed():
+    """GPTBigCode's attention reads a float ``attn_dropout``; some attention functions read the config's."""
+    config = T.GPTBigCodeConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.3)
+    model = T.AutoModelForCausalLM.from_config(config)
+    assert {m.attn_dropout for m in model.modules() if hasattr(m, "attn_dropout")} == {0.3}
+    policy = Policy(model)
+    assert {m.attn_dropout for m in model.modules() if hasattr(m, "attn_dropout")} == {0.0}
+    assert model.config.attn_pdrop == 0.0 and policy.model.training
+    a, b = (policy.response_logprobs(*_batch()).logprobs for _ in range(2))
+    assert torch.equal(a, b)
+
+
 def test_float_attention_dropout_is_zeroed():
     cls, kwargs = ARCHITECTURES["llama"]
     model = T.AutoModelForCausalLM.from_config(cls(**{**kwargs, "attention_dropout": 0.5}))
     assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.5}
-    assert disable_dropout_in(model) == kwargs["num_hidden_layers"]
+    assert disable_dropout_in(model) == kwargs["num_hidden_layers"] + 1  # each layer's, and the config's
     assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.0}

@@ -146,3 +146,18 @@ def test_fp32_logprobs_match_the_policy_on_cuda(name):
     with torch.no_grad():  # the same weights on the CPU score the GPU's samples alike
         cpu_lp = Policy(build(name)).response_logprobs(*(t.cpu() for t in rows), temperature=0.8).logprobs
     assert (cpu_lp - batch.rollout_logprobs.cpu())[batch.response_mask.cpu()].abs().max().item() < 1e-4
+
+
+def test_a_state_space_model_is_refused_with_the_measured_difference():
+    """Mamba's forward reads the attention mask as a per-token gate, which cached decoding cannot give it:
+    the probe measures the difference and the engine refuses rather than report another distribution."""
+    import transformers as T
+
+    from ais_lightning.rollout.decoders import cached_decode_mismatch
+
+    config = T.MambaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, pad_token_id=0, eos_token_id=1)
+    mamba = T.AutoModelForCausalLM.from_config(config)
+    assert cached_decode_mismatch(mamba) > 0.1
+    assert cached_decode_mismatch(build("gpt2")) < 1e-5 and cached_decode_mismatch(build("gemma2")) < 1e-5
+    with pytest.raises(ValueError, match=r"cannot run MambaForCausalLM through its own forward: .* nats"):
+        TorchRolloutEngine(mamba)

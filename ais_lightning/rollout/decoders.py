@@ -131,6 +131,10 @@ class LeanDecoder:
         self.key_bias = self.key_bias[keep] if self.key_bias is not None else None
 
 
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+"""Names of a Hugging Face forward's cache, argument and output, across versions and model families."""
+
+
 class TransformersDecoder:
     """The model's own ``forward`` with the cache it creates (``use_cache=True``), one token per step.
 
@@ -145,8 +149,9 @@ class TransformersDecoder:
         params = inspect.signature(model.forward).parameters
         self.prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         """Ask for the last position's logits only, where the forward supports it."""
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        """The forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+        self.cache_kwarg = next((k for k in _CACHE_NAMES if k in params), "past_key_values")
+        """The forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before
+        (``cache_params`` in state-space models)."""
         self.pass_cache_position = "cache_position" in params
         """Pass the cache slots being written (state-space models such as Mamba tell prefill from decode by
         them; attention models derive them from the cache's length)."""
@@ -199,10 +204,13 @@ class TransformersDecoder:
 
 
 def _returned_cache(out: object) -> object:
-    """The cache a Hugging Face forward returned (``out.cache`` since transformers 5.24, else
-    ``out.past_key_values``)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+    """The cache a Hugging Face forward returned (``out.cache`` since transformers 5.24, ``past_key_values``
+    before, ``cache_params`` in state-space models); ValueError when it returned none."""
+    for name in _CACHE_NAMES:
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
+    raise ValueError(f"the forward returned no cache ({type(out).__name__} has none of {list(_CACHE_NAMES)})")
 
 
 CACHED_DECODE_TOLERANCE: dict[torch.dtype | None, float] = {

@@ -113,7 +113,13 @@ def _check_cached_decoding(model: nn.Module) -> None:
     :func:`ais_lightning.rollout.decoders.cached_decode_mismatch`)."""
     dtype = model.get_input_embeddings().weight.dtype
     tolerance = CACHED_DECODE_TOLERANCE.get(dtype, CACHED_DECODE_TOLERANCE[None])
-    mismatch = cached_decode_mismatch(model)
+    try:
+        mismatch = cached_decode_mismatch(model)
+    except (TypeError, ValueError, AttributeError, RuntimeError, IndexError) as err:
+        raise ValueError(
+            f"TorchRolloutEngine cannot run {type(model).__name__} through its own forward with a cache "
+            f"({type(err).__name__}: {err}); engine 'vllm' may support it"
+        ) from err
     if not mismatch <= tolerance:
         raise ValueError(
             f"TorchRolloutEngine cannot run {type(model).__name__} through its own forward: decoding with its "

@@ -38,8 +38,10 @@ test: lint test-main test-vllm
 test-main: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
+# vLLM pins an older transformers: the model-family tests run there too.
 test-vllm: $(STAMP_VLLM)
 	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm tests/rollout/test_vllm_engine.py
+	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider tests/rollout/test_architectures.py tests/policy/test_architectures.py tests/models/test_head.py
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow" -p no:cacheprovider

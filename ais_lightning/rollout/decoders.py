@@ -139,7 +139,8 @@ class TransformersDecoder:
     """The model's own ``forward`` with the cache it creates (``use_cache=True``), one token per step.
 
     Works for any Hugging Face causal LM whose forward takes ``input_ids``, ``attention_mask``,
-    ``position_ids`` and ``past_key_values``; its logits are exactly the model's (logit scaling and soft
+    ``position_ids`` and a cache (:data:`_CACHE_NAMES`) and whose cached decoding equals its full forward
+    (:func:`cached_decode_mismatch` checks that); its logits are exactly the model's (logit scaling and soft
     caps included). The prefill runs once per distinct prompt and its cache is fanned out to the ``n``
     sample rows with the cache's own ``reorder_cache``, which also drops finished rows.
     """

@@ -10,6 +10,7 @@ The profiler adds overhead to every operator call, which weighs most on the many
 the shares and the large rows, and take speed from ``tools/bench_rollout.py``.
 
     python tools/profile_rollout.py --config gemm --precision int8 --threads 2
+    python tools/profile_rollout.py --config gemm --precision int8 --model-impl transformers   # the model's forward
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402  (a sibling script: same configs, model and prompts)
 
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine  # noqa: E402
-from ais_lightning.rollout.torch_engine import PRECISIONS  # noqa: E402
+from ais_lightning.rollout.torch_engine import MODEL_IMPLS, PRECISIONS  # noqa: E402
 
 
 def operator_times(prof) -> dict[str, tuple[float, int]]:
@@ -85,6 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--new-tokens", type=int, default=None, help="override the config's new tokens (>= 2)"
     )
+    parser.add_argument(
+        "--model-impl",
+        choices=MODEL_IMPLS,
+        default="auto",
+        help="the engine's forward (transformers: the model's own)",
+    )
     parser.add_argument("--top", type=int, default=15, help="operators listed per table")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model = bench_rollout.build_model(cfg)
     prompts = bench_rollout.make_prompts(cfg, model.config.vocab_size)
-    engine = TorchRolloutEngine(model, precision=args.precision)
+    engine = TorchRolloutEngine(model, precision=args.precision, model_impl=args.model_impl)
     engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))  # warm-up at full length
     prefill = _profiled(engine, prompts, 1)
     full = _profiled(engine, prompts, new)
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "config": args.config,
         "precision": args.precision,
+        "model_impl": engine.model_impl,
         "threads": torch.get_num_threads(),
         "new_tokens": new,
         "prefill_ms": sum(ms for ms, _ in prefill.values()),

@@ -29,3 +29,12 @@ def test_tiny_run_reports_consistent_totals(tmp_path):
     assert table.count("| aten::") + table.count("| (all other") >= 5
     with pytest.raises(SystemExit):
         tool.main(["--config", "tiny", "--new-tokens", "1"])
+
+
+def test_the_model_forward_can_be_profiled(tmp_path):
+    tool = load_tool("profile_rollout")
+    result = tool.main(
+        ["--config", "tiny", "--precision", "fp32", "--new-tokens", "3", "--model-impl", "transformers"]
+    )
+    assert result["model_impl"] == "transformers"
+    assert result["decode_ms_per_step"] == pytest.approx(sum(ms for _, ms, _ in result["decode"]))

@@ -1,4 +1,5 @@
-"""The tiny built-in Qwen3 and its local character tokenizer (no hub access)."""
+"""The tiny built-in models and their local tokenizers (no hub access), and what the library knows of
+Hugging Face causal LMs: their output head (:mod:`.head`) and their preparation for training (:mod:`.training`)."""
 
 from ais_lightning.models.tiny import build_tiny_qwen3, save_tiny_model, tiny_qwen3_config
 from ais_lightning.models.tiny_diffusion import (
@@ -10,6 +11,7 @@ from ais_lightning.models.tiny_diffusion import (
     tiny_diffusion_config,
 )
 from ais_lightning.models.tokenizer import build_char_tokenizer
+from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 
 __all__ = [
     "MASK_TOKEN_ID",
@@ -19,6 +21,8 @@ __all__ = [
     "build_diffusion_tokenizer",
     "build_tiny_diffusion",
     "build_tiny_qwen3",
+    "disable_dropout_in",
+    "enable_activation_checkpointing",
     "save_tiny_model",
     "tiny_diffusion_config",
     "tiny_qwen3_config",

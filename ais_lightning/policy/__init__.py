@@ -1,5 +1,6 @@
 """Policy: a Hugging Face causal LM wrapper (response log-probs, entropy, full weights for sync)."""
 
+from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.policy.builders import POLICIES, Pretrained, TinyQwen3
 from ais_lightning.policy.diffusion import DiffusionPolicy, TinyLLaDA, tiny_diffusion_policy
 from ais_lightning.policy.policy import (
@@ -7,8 +8,6 @@ from ais_lightning.policy.policy import (
     ResponseLogprobs,
     build_sequences,
     chunked_response_logprobs,
-    disable_dropout_in,
-    enable_activation_checkpointing,
     load_named_tensors,
 )
 

@@ -80,6 +80,7 @@ from ais_lightning.files import (
     save_verified,
     write_text_verified,
 )
+from ais_lightning.models.prompting import encode_prompts
 from ais_lightning.modules.sft import SFTModule, warmup_factor
 from ais_lightning.policy import Policy
 from ais_lightning.tasks import PromptDataModule, Task, TaskSample, batch_rewards
@@ -301,6 +302,7 @@ def cache_key_payload(
             "initial_weights_sha256": state_dict_sha256(policy.model),
         },
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        **({"chat_template": tokenizer.chat_template} if policy.chat_template else {}),  # the prompts' format
         "task": task_fingerprint(task),
         "settings": settings.key_fields(),
         "seed": seed,
@@ -378,7 +380,7 @@ class GreedyAccuracy:
             raise ValueError("GreedyAccuracy needs at least one held-out sample")
         self.policy, self.tokenizer, self.task, self.batch_size = policy, tokenizer, task, batch_size
         self.samples = samples
-        self.prompt_ids = [tokenizer.encode(s.prompt, add_special_tokens=False) for s in samples]
+        self.prompt_ids = encode_prompts(tokenizer, [s.prompt for s in samples], policy.chat_template)
         self.engine = policy.build_engine("fp32")
         self.sampling = SamplingConfig(
             n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]

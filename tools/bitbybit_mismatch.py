@@ -142,7 +142,7 @@ def measure(policy, args: argparse.Namespace) -> list[dict[str, Any]]:
     task = make_task(args)
     samples = PromptDataModule(task, val_size=args.eval_prompts, seed=args.seed).val_samples()
     tokenizer = policy.tokenizer
-    prompts = [tokenizer.encode(s.prompt, add_special_tokens=False) for s in samples]
+    prompts = policy.encode_prompts([s.prompt for s in samples])
     stop = [tokenizer.eos_token_id]
     greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
     sampled = SamplingConfig(

@@ -79,7 +79,7 @@ def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, A
     from ais_lightning.rollout.base import SamplingConfig
 
     tokenizer = policy.tokenizer
-    prompts = [tokenizer.encode(s.prompt, add_special_tokens=False) for s in samples]
+    prompts = policy.encode_prompts([s.prompt for s in samples])
     stop = [tokenizer.eos_token_id]
     greedy = SamplingConfig(  # seeded: random remasking draws its positions even when greedy
         n=1, temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed

@@ -303,7 +303,7 @@ class GRPOModule(LightningModule):
         return (self.seed * 1_000_003 + self.rollout_step * 10_007 + self.global_rank * 101 + stage) % (2**31)
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.policy.encode_prompts(prompts)
 
     def decode_responses(self, batch: RolloutBatch) -> list[str]:
         return [

@@ -20,16 +20,18 @@ from typing import Any
 import torch
 from lightning import LightningModule
 
+from ais_lightning.models.prompting import encode_prompts
 from ais_lightning.ops import pad_sequences
 from ais_lightning.policy import Policy
 
 
 def encode_pairs(
-    tokenizer: Any, prompts: list[str], completions: list[str]
+    tokenizer: Any, prompts: list[str], completions: list[str], chat_template: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompts left-padded, completions + EOS right-padded: the RolloutBatch layout."""
+    """Prompts left-padded (raw or in the chat template: :func:`ais_lightning.models.prompting.encode_prompts`),
+    completions + EOS right-padded: the RolloutBatch layout."""
     pad = tokenizer.pad_token_id
-    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template)
     responses = [
         tokenizer.encode(c, add_special_tokens=False) + [tokenizer.eos_token_id] for c in completions
     ]
@@ -91,7 +93,9 @@ class SFTModule(LightningModule):
     def sft_loss(self, batch: dict[str, list]) -> torch.Tensor:
         """The policy's own supervised loss on the batch's solutions (``Policy.sft_loss``: the mean NLL of the
         solution tokens + EOS for a causal LM, the masked-denoising bound for a diffusion LM; a scalar)."""
-        p_ids, p_mask, r_ids, r_mask = encode_pairs(self.tokenizer, batch["prompt"], batch["solution"])
+        p_ids, p_mask, r_ids, r_mask = encode_pairs(
+            self.tokenizer, batch["prompt"], batch["solution"], getattr(self.policy, "chat_template", False)
+        )
         return self.policy.sft_loss(p_ids, p_mask, r_ids, r_mask)
 
     def training_step(self, batch: dict[str, list], batch_idx: int) -> torch.Tensor:

@@ -149,6 +149,9 @@ class Pretrained:
     """Set the model's dropout probabilities to 0 (as TRL's GRPO), so log-probs are deterministic."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations (less memory)."""
+    chat_template: bool = False
+    """Prompt the model with each task prompt as one user message in its tokenizer's chat template (the
+    generation prompt appended), as instruction-tuned models expect; False: the raw prompt text."""
 
     def __post_init__(self) -> None:
         if not self.path or not os.path.isdir(self.path):
@@ -172,6 +175,7 @@ class Pretrained:
             aligned_schedule=self.aligned_schedule,
             disable_dropout=self.disable_dropout,
             gradient_checkpointing=self.gradient_checkpointing,
+            chat_template=self.chat_template,
         )
 
 

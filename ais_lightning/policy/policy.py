@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ais_lightning.models.head import LogitTransform, apply_head, decoder_body, head_mismatch, logit_transform
+from ais_lightning.models.prompting import check_chat_template, encode_prompts
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.ops import (
     autograd_usable,
@@ -311,7 +312,8 @@ class Policy(nn.Module):
     as TRL's GRPO) sets every dropout probability to 0, so pi_old, the loss's pi and the importance ratio
     against the engine are deterministic functions of the weights. ``gradient_checkpointing`` recomputes
     each decoder layer in backward instead of keeping its activations
-    (:func:`enable_activation_checkpointing`): less memory, about one more forward of time. The model is put
+    (:func:`enable_activation_checkpointing`): less memory, about one more forward of time. ``chat_template``
+    prompts an instruction-tuned model in its tokenizer's chat template (:meth:`encode_prompts`). The model is put
     in training mode (``from_pretrained`` returns it in eval mode, and Lightning keeps each module's mode
     through ``fit``, so checkpointing, which acts in training mode only, would otherwise be off).
 
@@ -330,6 +332,7 @@ class Policy(nn.Module):
         aligned_schedule: Any = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        chat_template: bool = False,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -352,6 +355,10 @@ class Policy(nn.Module):
         applied by the chunked head too (:mod:`ais_lightning.models.head`)."""
         self.tokenizer = tokenizer
         """The Hugging Face tokenizer of the model (None if the caller encodes prompts itself)."""
+        if chat_template and tokenizer is not None:
+            check_chat_template(tokenizer, "the policy's tokenizer")
+        self.chat_template = chat_template
+        """Prompts are one user message in the tokenizer's chat template (:meth:`encode_prompts`)."""
         self.logprob_chunk_size = logprob_chunk_size
         """Response positions per chunk in :meth:`batch_logprobs`: bounds the ``[chunk, V]`` logits memory."""
         if aligned_quantization is not None:
@@ -449,12 +456,13 @@ class Policy(nn.Module):
         aligned_schedule: Any = None,
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
+        chat_template: bool = False,
         **model_kwargs,
     ) -> Policy:
         """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
         ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``,
-        ``disable_dropout``, ``gradient_checkpointing``: as in the constructor."""
+        ``disable_dropout``, ``gradient_checkpointing``, ``chat_template``: as in the constructor."""
         from transformers import AutoModelForCausalLM
 
         path = os.fspath(path)
@@ -471,6 +479,7 @@ class Policy(nn.Module):
             aligned_schedule=aligned_schedule,
             disable_dropout=disable_dropout,
             gradient_checkpointing=gradient_checkpointing,
+            chat_template=chat_template,
         )
 
     @property
@@ -566,6 +575,13 @@ class Policy(nn.Module):
             prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size
         )
         return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
+
+    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of task prompts as this model is prompted: raw text, or with ``chat_template`` one user
+        message in its tokenizer's chat template (:func:`ais_lightning.models.prompting.encode_prompts`)."""
+        if self.tokenizer is None:
+            raise ValueError("Policy.encode_prompts needs the policy's tokenizer (Policy(model, tokenizer))")
+        return encode_prompts(self.tokenizer, prompts, self.chat_template)
 
     def batch_logprobs(
         self, batch: RolloutBatch, temperature: float = 1.0, compute_entropy: bool = False

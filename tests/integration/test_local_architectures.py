@@ -52,3 +52,26 @@ def test_quantized_rollouts_of_gpt2_fail_before_the_warm_start_and_name_the_laye
         run_train(args, cwd=tmp_path)
     cache = tmp_path / "cache"  # run_train's AIS_LIGHTNING_CACHE: no warm start was trained or stored
     assert not any(cache.rglob("policy.pt"))
+
+
+def test_a_local_model_prompted_in_its_chat_template(tmp_path: Path):
+    """``policy.chat_template=true``: rollouts, validation and the warm start all see the rendered prompts."""
+    from ais_lightning.models import build_tiny_qwen3
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    path = save_tiny_model(build_tiny_qwen3(seed=0), tokenizer, tmp_path / "chat")
+    out = tmp_path / "run"
+    run_train(
+        [*SMOKE, "policy=local", f"policy.path={path}", "policy.chat_template=true", "warmstart=default",
+         "warmstart.steps=2", "warmstart.eval_size=8", "warmstart.target_band=[0.0,1.0]", "logger=csv",
+         f"hydra.run.dir={out}"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["warm_start"]["eval_size"] == 8  # measured on rendered prompts
+    (entry,) = (tmp_path / "cache").rglob("meta.json")
+    assert "<assistant>" in entry.read_text()  # the template is part of the warm start's key payload

@@ -63,6 +63,24 @@ def test_seed_threads_task_model_and_weights_are_in_the_key(tokenizer, task, tmp
     assert payload["model"]["initial_weights_sha256"] == state_dict_sha256(make_policy(0).model)
 
 
+def test_the_chat_template_is_in_the_key_when_prompts_use_it(tokenizer, task, tmp_path):
+    """Prompts in a chat template are other training data: the template joins the key then, and only then
+    (raw prompts keep every existing key)."""
+    s = tiny_settings(tmp_path)
+    reference = key(tokenizer, task, s)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        assert key(tokenizer, task, s) == reference  # a template the prompts do not use changes nothing
+        chat = make_policy(0)
+        chat.chat_template = True
+        with_chat = key(tokenizer, task, s, policy=chat)
+        assert with_chat != reference
+        tokenizer.chat_template = "{% for m in messages %}> {{ m['content'] }}{% endfor %}"
+        assert key(tokenizer, task, s, policy=chat) not in (reference, with_chat)
+    finally:
+        tokenizer.chat_template = None
+
+
 def test_task_must_be_a_dataclass_task(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="Task dataclass"):
         cache_key_payload(make_policy(0), tokenizer, "arithmetic", tiny_settings(tmp_path), 0, 1)

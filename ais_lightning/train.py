@@ -207,7 +207,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         summary["validation"] = val
         summary["wall_time_s"] = time.perf_counter() - started
         if trainer.is_global_zero:
-            extra = {"warm-start": warm_info, "wall time": f"{summary['wall_time_s']:.0f} s"}
+            extra = {
+                "warm-start": warm_info,
+                "rollout engine": _describe_engine(getattr(module, "engine", None)),
+            }
+            extra["wall time"] = f"{summary['wall_time_s']:.0f} s"
             for key, value in val.items():
                 before = summary["validation_start"].get(key)
                 extra[key] = (
@@ -230,6 +234,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if status != "finished":
             raise SystemExit(EXIT_CODES[status])
     return summary
+
+
+def _describe_engine(engine: Any) -> str:
+    """``TorchRolloutEngine int8 (lean forward)``: the engine class, its precision and, for the torch engine,
+    the forward it ran (``model_impl``); "not built" before setup."""
+    if engine is None:
+        return "not built"
+    text = f"{type(engine).__name__} {getattr(engine, 'precision', '')}".strip()
+    impl = getattr(engine, "model_impl", None)
+    return f"{text} ({impl} forward)" if impl else text
 
 
 def _recover_validation(

@@ -35,6 +35,7 @@ def test_grpo_on_a_local_model_of_another_family(tmp_path: Path, name: str):
     )  # fmt: skip
     # from_pretrained loads in eval mode; the policy trains in training mode (where checkpointing acts)
     assert "in eval mode at the start of training" not in proc.stderr
+    assert f"TorchRolloutEngine {rollout} (transformers forward)" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and math.isfinite(summary["kl_k3_mean"])
     if name == "granite":  # int8 rollouts differ from the fp32 trainer

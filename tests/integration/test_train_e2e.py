@@ -22,6 +22,7 @@ def test_smoke_run_writes_summary_config_and_checkpoint(tmp_path: Path):
     out = tmp_path / "run"
     proc = run_train([*SMOKE, f"hydra.run.dir={out}", "logger=csv"], cwd=tmp_path)
     assert "ais-train summary" in proc.stdout
+    assert "TorchRolloutEngine int8 (lean forward)" in proc.stdout  # which engine and forward ran
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     assert math.isfinite(summary["kl_k3_mean"]) and summary["kl_k3_mean"] >= 0

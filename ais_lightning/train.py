@@ -210,8 +210,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             extra = {
                 "warm-start": warm_info,
                 "rollout engine": _describe_engine(getattr(module, "engine", None)),
+                "wall time": f"{summary['wall_time_s']:.0f} s",
             }
-            extra["wall time"] = f"{summary['wall_time_s']:.0f} s"
             for key, value in val.items():
                 before = summary["validation_start"].get(key)
                 extra[key] = (

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LogitTransform", "apply_head", "decoder_body", "head_mismatch", "logit_transform"]
+__all__ = ["LogitTransform", "decoder_body", "decoder_hidden_states", "head_mismatch", "logit_transform"]
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,14 @@ def decoder_body(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def apply_head(lm_head: nn.Module, transform: LogitTransform, hidden: torch.Tensor) -> torch.Tensor:
-    """``transform(lm_head(hidden))``: logits ``[..., V]`` of last hidden states ``[..., H]``."""
-    logits = lm_head(hidden)
-    return logits if transform.is_identity else transform(logits)
+def decoder_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """The decoder body's last hidden states ``[B, L, H]`` (no cache): what ``lm_head`` reads."""
+    out = decoder_body(model)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
 
 @torch.no_grad()
@@ -111,10 +115,9 @@ def head_mismatch(model: nn.Module, transform: LogitTransform, length: int = 4) 
     model.eval()
     try:
         reference = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-        out = decoder_body(model)(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        hidden = decoder_hidden_states(model, ids, mask, positions)  # [1, L, H]
     finally:
         model.train(was_training)
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [1, L, H]
-    ours = apply_head(model.get_output_embeddings(), transform, hidden).float()  # [1, L, V]
+    ours = transform(model.get_output_embeddings()(hidden)).float()  # [1, L, V]
     theirs = reference.logits.float()  # [1, L, V]
     return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1.0))

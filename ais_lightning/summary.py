@@ -13,10 +13,52 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def summarize(history: list[dict[str, float]], window: int = 10) -> dict[str, Any]:
-    """Reward first -> last (means over ``window`` steps), mismatch KL, lambda trajectory."""
+def constant_reward(history: list[dict[str, float]], tol: float = 1e-6) -> float | None:
+    """The one reward every trained sample of every step got (``reward_min``/``reward_max`` of the
+    history entries), or None when the rewards varied, a step does not record them, or there is no step."""
+    lows = [h.get("reward_min", math.nan) for h in history]
+    highs = [h.get("reward_max", math.nan) for h in history]
+    if not history or not all(math.isfinite(v) for v in lows + highs):
+        return None
+    return min(lows) if max(highs) - min(lows) <= tol else None
+
+
+def never_correct(validations: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``{"validations", "metrics", "example"}`` when some greedy accuracy was 0 at every validation: how many
+    validations there were, those accuracies' names and the last validation's example (prompt, completion,
+    reference solution); None when every accuracy was above 0 at least once, or without validations."""
+    if not validations:
+        return None
+    names = sorted({k for v in validations for k in v.get("accuracy", {})})
+    zero = [n for n in names if all(v.get("accuracy", {}).get(n, 0.0) == 0.0 for v in validations)]
+    if not zero:
+        return None
+    return {
+        "validations": len(validations),
+        "metrics": zero,
+        "example": dict(validations[-1].get("example", {})),
+    }
+
+
+def summarize(
+    history: list[dict[str, float]],
+    window: int = 10,
+    validations: list[dict[str, Any]] | None = None,
+    task: str | None = None,
+) -> dict[str, Any]:
+    """Reward first -> last (means over ``window`` steps), mismatch KL, lambda trajectory, and the reward
+    alarms: ``reward_constant`` (the one reward every sample of every step got, else None, see
+    :func:`constant_reward`) and ``validation_never_correct`` (:func:`never_correct` of ``validations``,
+    ``GRPOModule.validation_history``). ``task`` names the task in the printed warnings."""
+    validations = list(validations or [])
+    alarms: dict[str, Any] = {
+        "task": task,
+        "reward_constant": constant_reward(history),
+        "validations": len(validations),
+        "validation_never_correct": never_correct(validations),
+    }
     if not history:
-        return {"steps": 0}
+        return {"steps": 0, **alarms}
     window = max(1, min(window, len(history) // 2 or 1))
     rewards = [h["reward"] for h in history]
     lambdas = [h.get("lambda", float("nan")) for h in history]
@@ -34,7 +76,51 @@ def summarize(history: list[dict[str, float]], window: int = 10) -> dict[str, An
             int(history[i]["step"]): lambdas[i] for i in picks if math.isfinite(lambdas[i])
         },
         "reward_failures": int(sum(h.get("reward_failed", 0.0) for h in history)),
+        **alarms,
     }
+
+
+def alarm_lines(summary: dict[str, Any]) -> list[list[str]]:
+    """The summary's warnings about a reward that never fired or never changed: one list of lines each."""
+    task = f"task {summary['task']!r}" if summary.get("task") else "the task"
+    warnings = []
+    value = summary.get("reward_constant")
+    if value is not None and summary.get("steps", 0):
+        what = "never fired (0" if value == 0 else f"was constant ({value:g}"
+        warnings.append(
+            [
+                f"{task}: the training reward {what} on every sample of all {summary['steps']} steps);",
+                "GRPO's advantages were all zero, so the run learned nothing",
+            ]
+        )
+    zero = summary.get("validation_never_correct")
+    if zero:
+        engines = ", ".join(m.removeprefix("val/accuracy_") for m in zero["metrics"])
+        lines = [
+            f"{task}: validation accuracy was 0 at all {zero['validations']} validation(s) ({engines}):",
+            "no greedy answer was read as right",
+        ]
+        example = zero.get("example") or {}
+        if example:
+            lines.append(f"e.g. prompt {_clip(example.get('prompt', ''))}")
+            lines.append(f"  -> {_clip(example.get('completion', ''))}")
+            lines.append(f"  reference {_clip(example.get('solution', ''))}")
+        warnings.append(lines)
+    if zero:
+        warnings[-1].append("check task.format and task.extract (how the answer is asked for and read)")
+    elif warnings and summary.get("validations"):  # greedy answers scored: the format can be answered in
+        warnings[-1].append(
+            "greedy validation answers did score: sample more per step (algorithm.group_size)"
+        )
+    elif warnings:
+        warnings[-1].append(
+            "check task.format and task.extract, or sample more per step (algorithm.group_size)"
+        )
+    return warnings
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
@@ -58,6 +144,8 @@ def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None)
                 f"WARNING               the reward function failed on {summary['reward_failures']} samples "
                 "(scored 0; its errors are in the log)"
             )
+    for warning in alarm_lines(summary):
+        lines += [f"{'WARNING' if i == 0 else '':<22}{line}" for i, line in enumerate(warning)]
     if summary.get("status", "finished") != "finished":
         lines.append(f"STATUS                {summary['status'].upper()}: the run did not reach max_steps")
     for key, value in (extra or {}).items():

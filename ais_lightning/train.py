@@ -189,7 +189,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         except KeyboardInterrupt:
             status = "sigint"
 
-        summary = summarize(module.history)
+        summary = summarize(
+            module.history,
+            validations=getattr(module, "validation_history", None),  # a 0 accuracy at every validation
+            task=c.task.name or type(c.task).__name__,  # named in the summary's reward warnings
+        )
         summary["status"] = "finished" if status == "finished" else "interrupted"
         val = {
             **recovered,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from ais_lightning.tasks import Task, safe_rewards, task_fields
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 """Builds an engine from an unsharded copy of the policy's model."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,12 +86,17 @@ class GRPOSettings:
     """Held-out prompts for greedy validation accuracy."""
     max_bad_steps: int = 5
     """Abort after this many consecutive rollout steps with non-finite log-probs, losses or gradients."""
+    constant_reward_steps: int = 10
+    """Log a WARNING (once) when every sample of this many consecutive rollout steps got the same reward (0:
+    the reward never fired): GRPO's advantages are then zero and nothing is learned, e.g. because the policy
+    does not answer in the task's format. 0 = no warning (the summary still reports a constant reward)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "val_every_n_steps"):
             check_int(getattr(self, name), name)
         check_int(self.val_size, "val_size")
         check_int(self.max_bad_steps, "max_bad_steps")
+        check_int(self.constant_reward_steps, "constant_reward_steps", minimum=0)
         check_int(self.group_size, "group_size", minimum=2)
         check_int(self.top_k, "top_k", minimum=0)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -220,6 +228,15 @@ class GRPOModule(LightningModule):
         """Per-rollout-step summary (reward, mismatch, lambda...), kept in checkpoints."""
         self.validation_start: dict[str, float] = {}
         """Validation metrics before the first update (set by the caller), kept in checkpoints."""
+        self.reward_alarm: dict[str, Any] = {"streak": 0, "value": None, "first_step": 0, "warned": False}
+        """The constant-reward alarm (kept in checkpoints): consecutive rollout steps whose samples all got one
+        reward, that reward, the first of those steps, and whether the warning was logged."""
+        self.validation_history: list[dict[str, Any]] = []
+        """Every validation (kept in checkpoints): ``{"step", "accuracy": {"val/accuracy_<engine>": float},
+        "example": {"prompt", "completion", "solution"}}``, the example being the first validation prompt and
+        the engine's greedy completion of it; the summary reads it."""
+        self._val_tally: dict[str, list[float]] = {}
+        self._val_example: dict[str, str] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -539,10 +556,14 @@ class GRPOModule(LightningModule):
             batch_size=len(prompts),
         )
         self.log_dict(stats, on_step=True, on_epoch=False, batch_size=len(prompts))
+        reward_min, reward_max = self._reward_range(exp.rewards)
+        self._watch_constant_reward(reward_min, reward_max, exp, batch)
         self.history.append(
             {
                 "step": float(self.rollout_step),
                 "reward": stats["reward/mean"],
+                "reward_min": reward_min,
+                "reward_max": reward_max,
                 "reward_failed": stats["reward/failed"],
                 "kl_k3": mismatch.get("mismatch/kl_k3", float("nan")),
                 "entropy": entropy,
@@ -556,6 +577,85 @@ class GRPOModule(LightningModule):
             else ("non-finite losses or gradients in every mini-batch")
         )
         self._count_bad_step(all_skipped or rewards_failed, reason)
+
+    # ------------------------------------------------------- reward alarm
+    def _reward_range(self, rewards: torch.Tensor) -> tuple[float, float]:
+        """The smallest and the largest reward of this rollout step's trained samples, over every rank."""
+        local = torch.stack([-rewards.min(), rewards.max()]).float()  # [2]
+        both = self.trainer.strategy.reduce(local, reduce_op="max")
+        return -float(both[0]), float(both[1])
+
+    def _watch_constant_reward(
+        self, low: float, high: float, exp: Experience, batch: dict[str, list], tol: float = 1e-6
+    ) -> None:
+        """Count the consecutive rollout steps whose samples all got one reward (the same value each step); at
+        ``settings.constant_reward_steps`` of them log one WARNING with a sample of what the policy wrote."""
+        alarm = self.reward_alarm
+        if high - low > tol:
+            alarm.update(streak=0, value=None)
+            return
+        if alarm["streak"] and alarm["value"] is not None and abs(alarm["value"] - low) <= tol:
+            alarm["streak"] += 1
+        else:
+            alarm.update(streak=1, value=low, first_step=self.rollout_step)
+        limit = self.settings.constant_reward_steps
+        if not limit or alarm["warned"] or alarm["streak"] < limit:
+            return
+        alarm["warned"] = True
+        if self.global_rank != 0:
+            return
+        row = int(exp.rollout.prompt_index[0])
+        response = exp.rollout.response_ids[0][exp.rollout.response_mask[0]].tolist()
+        completion = self.tokenizer.decode(response, skip_special_tokens=True)
+        solution = batch.get("solution", ["?"] * (row + 1))[row]
+        fired = "0 (the reward never fired)" if abs(low) <= tol else f"{low:g}"
+        scored = any(a > 0 for v in self.validation_history for a in v.get("accuracy", {}).values())
+        advice = (
+            "Greedy validation answers did score, so the policy can answer in the task's format: sample more "
+            "per step (algorithm.group_size, algorithm.prompts_per_step) or warm-start the policy"
+            if scored
+            else "If the policy cannot answer in the task's format, check task.format (chat for an "
+            "instruction-tuned model prompted with policy.chat_template=true), task.extract (how the answer "
+            "is read), algorithm.max_new_tokens, or warm-start the policy"
+        )
+        log.warning(
+            "task %r: the reward was %s on every sample of %d consecutive rollout steps (steps %d-%d). "
+            "GRPO's advantages are zero when every reward of a group is the same, so these steps learned "
+            "nothing. A sample: prompt %s -> completion %s; reference solution %s. %s "
+            "(algorithm.constant_reward_steps sets this check; 0 turns it off).",
+            self.task.name or type(self.task).__name__,
+            fired,
+            alarm["streak"],
+            alarm["first_step"],
+            self.rollout_step,
+            _clip(batch["prompt"][row]),
+            _clip(completion),
+            _clip(solution),
+            advice,
+        )
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_tally, self._val_example = {}, None
+
+    def on_validation_epoch_end(self) -> None:
+        """Record this validation's accuracy per engine (over every rank) and its example in
+        ``validation_history`` (not for Lightning's sanity check)."""
+        if self.trainer.sanity_checking:
+            return
+        names = [
+            n for n, engine in (("engine", self.engine), ("trainer", self.eval_engine)) if engine is not None
+        ]
+        if not names:
+            return
+        tallies = [self._val_tally.get(n, [0.0, 0.0]) for n in names]  # the same shape on every rank
+        local = torch.tensor(tallies, dtype=torch.float64, device=self.device)
+        total = self.trainer.strategy.reduce(local, reduce_op="sum").tolist()  # per engine: correct, prompts
+        if not any(k for _, k in total):  # no prompt was scored
+            return
+        accuracy = {f"val/accuracy_{n}": float(c / max(k, 1.0)) for n, (c, k) in zip(names, total)}
+        self.validation_history.append(
+            {"step": self.rollout_step, "accuracy": accuracy, "example": dict(self._val_example or {})}
+        )
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy accuracy with the engine's precision and with the trainer's precision."""
@@ -573,6 +673,18 @@ class GRPOModule(LightningModule):
                 continue
             out = ops.to_device(engine.generate(self.encode_prompts(prompts), greedy), self.device)
             rewards, _ = self.score(out, prompts, fields)
+            tally = self._val_tally.setdefault(name, [0.0, 0.0])
+            tally[0] += float((rewards >= 1.0 - 1e-6).sum())
+            tally[1] += float(rewards.numel())
+            if self._val_example is None and name == "engine":
+                row = int(out.prompt_index[0])
+                self._val_example = {
+                    "prompt": prompts[row],
+                    "completion": self.tokenizer.decode(
+                        out.response_ids[0][out.response_mask[0]].tolist(), skip_special_tokens=True
+                    ),
+                    "solution": batch["solution"][row] if "solution" in batch else "",
+                }
             self.log(f"val/reward_{name}", rewards.mean(), batch_size=len(prompts), sync_dist=True)
             self.log(
                 f"val/accuracy_{name}",
@@ -594,8 +706,17 @@ class GRPOModule(LightningModule):
         checkpoint["ais_history"] = list(self.history)
         checkpoint["ais_validation_start"] = dict(self.validation_start)
         checkpoint["ais_bad_steps"] = self.bad_steps
+        checkpoint["ais_reward_alarm"] = dict(self.reward_alarm)
+        checkpoint["ais_validation_history"] = list(self.validation_history)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.history = list(checkpoint.get("ais_history", []))
         self.validation_start = dict(checkpoint.get("ais_validation_start", {}))
         self.bad_steps = int(checkpoint.get("ais_bad_steps", 0))
+        self.reward_alarm.update(checkpoint.get("ais_reward_alarm", {}))
+        self.validation_history = list(checkpoint.get("ais_validation_history", []))
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    """``repr`` of ``text``, cut to ``limit`` characters (for log messages)."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")

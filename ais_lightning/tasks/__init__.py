@@ -2,11 +2,15 @@
 
 Built-in tasks (registered on import): ``arithmetic``, ``countdown``, ``sudoku4``, ``gsm8k``.
 ``get_task(name, **options)`` builds one; see :mod:`ais_lightning.tasks.base` for adding your own.
+Each prompts in a bare format for the built-in character model or in words for a chat model
+(``format``, :data:`FORMATS`); :mod:`ais_lightning.tasks.answers` reads answers out of completions.
 """
 
+from ais_lightning.tasks.answers import READERS, extract_answer, normalize_answer
 from ais_lightning.tasks.arithmetic import Arithmetic
 from ais_lightning.tasks.base import (
     ALLOWED_CHARS,
+    FORMATS,
     TASKS,
     Task,
     TaskSample,
@@ -24,6 +28,8 @@ from ais_lightning.tasks.sudoku4 import Sudoku4
 
 __all__ = [
     "ALLOWED_CHARS",
+    "FORMATS",
+    "READERS",
     "TASKS",
     "Arithmetic",
     "Countdown",
@@ -35,8 +41,10 @@ __all__ = [
     "TaskSample",
     "batch_rewards",
     "collate_samples",
+    "extract_answer",
     "first_line",
     "get_task",
+    "normalize_answer",
     "register_task",
     "safe_rewards",
     "task_fields",

@@ -44,7 +44,30 @@ import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
+
+from ais_lightning.tasks.answers import check_readers, extract_answer, first_line
+
+__all__ = [
+    "ALLOWED_CHARS",
+    "ANSWER_INSTRUCTION",
+    "FORMATS",
+    "TASKS",
+    "Task",
+    "TaskSample",
+    "batch_rewards",
+    "check_aligned",
+    "check_format",
+    "evaluate_expression",
+    "expression_numbers",
+    "first_line",
+    "get_task",
+    "parse_expression",
+    "parse_int",
+    "register_task",
+    "safe_rewards",
+    "to_ascii",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +87,67 @@ class TaskSample:
     """Extra per-sample data the reward needs, e.g. ``{"answer": 46}``; becomes batch columns."""
 
 
+FORMATS = ("auto", "bare", "chat")
+"""Prompt formats of the built-in tasks (their ``format`` option): ``bare`` is the terse text the built-in
+character-level model learns (``"12+34="`` -> ``"46"``), ``chat`` asks in words an instruction-tuned model
+follows and reads its answer from prose (``"What is 12+34? Put the final answer in \\boxed{}."``), ``auto``
+is ``chat`` when the policy prompts through its chat template (``policy.chat_template``), else ``bare``
+(``ais-train`` settles it when it builds the run; a task used on its own reads ``auto`` as ``bare``)."""
+
+ANSWER_INSTRUCTION = "Put the final answer in \\boxed{}."
+"""The sentence chat-format prompts end with (the reference solutions end in ``\\boxed{<answer>}``)."""
+
+
+def check_format(format: str, extract: Sequence[str] | None) -> tuple[str, list[str] | None]:
+    """A task's ``format`` and ``extract`` options, checked (ValueError naming the option); ``extract`` as
+    a plain list (a config's ListConfig too)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
+    readers = check_readers(extract, "extract")
+    return format, None if readers is None else list(readers)
+
+
 class Task(abc.ABC):
-    """A prompt generator with a reward function (subclasses are dataclasses of their options)."""
+    """A prompt generator with a reward function (subclasses are dataclasses of their options).
+
+    The built-in tasks also have a ``format`` option (:data:`FORMATS`) and an ``extract`` option (the
+    :data:`ais_lightning.tasks.answers.READERS` that find the answer in a completion, tried in order;
+    None: the format's own, ``BARE_READERS`` or ``CHAT_READERS`` of the class).
+    """
 
     name: str = ""
     """Registry name, set by :func:`register_task`."""
+    format: str = "bare"
+    """Prompt format (a task without the option prompts in its one, bare format)."""
+    extract: list[str] | None = None
+    """Answer readers (None: the format's)."""
+    BARE_READERS: ClassVar[tuple[str, ...]] = ("first_line",)
+    """Readers of the bare format when ``extract`` is None."""
+    CHAT_READERS: ClassVar[tuple[str, ...]] = ("boxed", "last_number")
+    """Readers of the chat format when ``extract`` is None."""
+
+    def resolve_format(self, chat_template: bool) -> str:
+        """Settle ``format="auto"``: ``"chat"`` when prompts go through the policy's chat template, else
+        ``"bare"``; an explicit ``bare`` or ``chat`` is kept. Returns the format now in effect."""
+        if self.format == "auto":
+            self.format = "chat" if chat_template else "bare"
+        return self.format
+
+    @property
+    def chat_format(self) -> bool:
+        """Prompts and solutions are in the chat format (``format="chat"``; ``auto`` unresolved is bare)."""
+        return self.format == "chat"
+
+    @property
+    def readers(self) -> tuple[str, ...]:
+        """The answer readers in effect: ``extract``, else the format's own."""
+        if self.extract:
+            return tuple(self.extract)
+        return self.CHAT_READERS if self.chat_format else self.BARE_READERS
+
+    def read_answer(self, completion: str) -> str | None:
+        """The answer text of a completion through :attr:`readers` (None if none of them finds one)."""
+        return extract_answer(completion, self.readers)
 
     @abc.abstractmethod
     def sample(self, rng: random.Random) -> TaskSample:
@@ -179,11 +258,6 @@ def batch_rewards(
     rows = batch.prompt_index.tolist()
     fields = {k: [samples[i].fields[k] for i in rows] for k in samples[0].fields}
     return safe_rewards(task.reward, [samples[i].prompt for i in rows], completions, fields)
-
-
-def first_line(completion: str) -> str:
-    """The completion up to its first newline, stripped of surrounding whitespace."""
-    return completion.split("\n", 1)[0].strip()
 
 
 def to_ascii(text: str) -> str:

@@ -8,7 +8,13 @@ tokenizer.
 
 The reward accepts the final answer as ``\\boxed{...}``, ``<answer>...</answer>`` or ``#### ...``
 (checked in that order, last occurrence of the first format present); numbers are compared
-exactly after removing commas, ``$`` and spaces. 1.0 on a match, else 0.
+exactly after removing commas, ``$`` and spaces (:func:`ais_lightning.tasks.answers.normalize_answer`).
+1.0 on a match, else 0.
+
+In the chat format (``format="chat"``) the prompt asks for the answer in ``\\boxed{}``
+(``"<question>\\nPut the final answer in \\boxed{}."``), the reference solution ends in
+``"The answer is \\boxed{<gold>}."`` instead of ``"#### <gold>"``, and the answer is read from the
+last ``\\boxed{}``, else the last number of the completion.
 """
 
 from __future__ import annotations
@@ -18,42 +24,31 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from ais_lightning.tasks.base import Task, TaskSample, check_aligned, register_task, to_ascii
+from ais_lightning.tasks import answers
+from ais_lightning.tasks.answers import normalize_answer
+from ais_lightning.tasks.base import (
+    ANSWER_INSTRUCTION,
+    Task,
+    TaskSample,
+    check_aligned,
+    check_format,
+    register_task,
+    to_ascii,
+)
+
+__all__ = ["GSM8K", "extract_answer", "gold_answer", "load_rows", "normalize_answer"]
 
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
-_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_HASHES_RE = re.compile(r"####([^\n]*)")
-_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
-
-
-def normalize_answer(text: str) -> Fraction | str:
-    """An answer as an exact number when it is one (commas, ``$``, spaces and a final ``.`` removed).
-
-    If the cleaned text is not a number but contains some, the last number is used (``"72 apples"``
-    -> 72); otherwise the cleaned string is returned for exact comparison.
-    """
-    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").strip().rstrip(".")
-    numbers = [cleaned] if _NUMBER_RE.fullmatch(cleaned) else _NUMBER_RE.findall(cleaned)
-    if not numbers:
-        return cleaned
-    try:
-        return Fraction(numbers[-1])
-    except (ValueError, ZeroDivisionError):
-        return cleaned
 
 
 def extract_answer(completion: str) -> str | None:
-    """The final answer of a completion: last ``\\boxed{}``, else last ``<answer>``, else last ``####``."""
-    for pattern in (_BOXED_RE, _ANSWER_RE, _HASHES_RE):
-        found = pattern.findall(completion)
-        if found:
-            return found[-1].strip()
-    return None
+    """The final answer of a completion as the bare format reads it: last ``\\boxed{}``, else last
+    ``<answer>``, else last ``####`` (:func:`ais_lightning.tasks.answers.extract_answer` with
+    :attr:`GSM8K.BARE_READERS`)."""
+    return answers.extract_answer(completion, GSM8K.BARE_READERS)
 
 
 def gold_answer(answer: str) -> str:
@@ -151,37 +146,78 @@ class GSM8K(Task):
 
     path: str = ""
     """Local ``.jsonl``/``.json``/``.parquet`` file with ``question`` and ``answer`` fields."""
-    prompt_template: str = "{question}\n"
-    """Prompt built from the question (``str.format`` with ``question=``)."""
+    prompt_template: str | None = None
+    """Prompt built from the question (``str.format`` with ``question=``); None: the format's,
+    ``"{question}\\n"`` (bare) or ``"{question}\\nPut the final answer in \\boxed{{}}."`` (chat)."""
     strip_calculator: bool = True
     """Remove GSM8K's ``<<a*b=c>>`` calculator annotations from the reference solution."""
     use_datasets: bool | None = None
     """Read through ``datasets`` (True), plain json lines (False) or ``datasets`` if installed (None)."""
     cache_dir: str | None = None
     """Cache directory for ``datasets`` (None: its default, ``~/.cache/huggingface/datasets``)."""
+    format: str = "auto"
+    """bare (the question, then GSM8K's worked answer ending in ``#### <gold>``), chat (the question asks for
+    the answer in ``\\boxed{}``, the solution ends in it) or auto (chat when the policy prompts through its
+    chat template, set by ``ais-train``; bare otherwise)."""
+    extract: list[str] | None = None
+    """Answer readers tried in order (``ais_lightning.tasks.answers.READERS``); None: ``[boxed, answer_tag,
+    hashes]`` in the bare format, ``[boxed, last_number]`` in the chat format."""
     rows: list[dict[str, str]] = field(init=False, repr=False)
-    """Loaded ``{"prompt", "solution", "answer"}`` rows."""
+    """Loaded ``{"prompt", "solution", "answer"}`` rows, in the task's format."""
+
+    BARE_READERS = ("boxed", "answer_tag", "hashes")
+    BARE_TEMPLATE: ClassVar[str] = "{question}\n"
+    """The bare format's prompt template."""
+    CHAT_TEMPLATE: ClassVar[str] = "{question}\n" + ANSWER_INSTRUCTION.replace("{}", "{{}}")
+    """The chat format's prompt template (``"{question}\\nPut the final answer in \\boxed{{}}."``)."""
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError(
                 "gsm8k needs path= a local jsonl/parquet file with 'question' and 'answer' fields"
             )
-        if "{question}" not in self.prompt_template:
-            raise ValueError(f"prompt_template must contain '{{question}}', got {self.prompt_template!r}")
-        self.rows = []
+        self.format, self.extract = check_format(self.format, self.extract)
+        if self.prompt_template is not None:
+            if not isinstance(self.prompt_template, str) or "{question}" not in self.prompt_template:
+                raise ValueError(f"prompt_template must contain '{{question}}', got {self.prompt_template!r}")
+            try:
+                self.prompt_template.format(question="")
+            except (IndexError, KeyError, ValueError) as err:
+                raise ValueError(
+                    f"prompt_template must be a str.format template whose only field is {{question}} (write "
+                    f"literal braces as {{{{ }}}}), got {self.prompt_template!r}: {err!r}"
+                ) from None
+        self._source = []
         for i, row in enumerate(load_rows(self.path, self.use_datasets, self.cache_dir)):
             for key in ("question", "answer"):
                 if not isinstance(row.get(key), str):
                     raise ValueError(f"{self.path} row {i} has no string field {key!r}")
-            answer = row["answer"]
+            self._source.append((row["question"], row["answer"]))
+        if not self._source:
+            raise ValueError(f"{self.path} has no rows")
+        self._build_rows()
+
+    def _build_rows(self) -> None:
+        """``rows`` (and the prompt -> gold lookup) in the task's current format."""
+        template = self.prompt_template or (self.CHAT_TEMPLATE if self.chat_format else self.BARE_TEMPLATE)
+        self.rows = []
+        for question, answer in self._source:
             gold = to_ascii(gold_answer(answer))
             solution = _CALCULATOR_RE.sub("", answer) if self.strip_calculator else answer
-            prompt = to_ascii(self.prompt_template.format(question=row["question"].strip()))
+            if self.chat_format:  # the worked reasoning, then the gold answer in a box instead of "#### gold"
+                reasoning = solution.rsplit("####", 1)[0].strip()
+                solution = f"{reasoning}\nThe answer is \\boxed{{{gold_answer(answer)}}}."
+            prompt = to_ascii(template.format(question=question.strip()))
             self.rows.append({"prompt": prompt, "solution": to_ascii(solution.strip()), "answer": gold})
-        if not self.rows:
-            raise ValueError(f"{self.path} has no rows")
         self._gold_by_prompt = {row["prompt"]: row["answer"] for row in self.rows}
+
+    def resolve_format(self, chat_template: bool) -> str:
+        """As :meth:`Task.resolve_format`; the rows are rebuilt in the format settled on."""
+        before = self.format
+        after = super().resolve_format(chat_template)
+        if after != before:
+            self._build_rows()
+        return after
 
     def sample(self, rng: random.Random) -> TaskSample:
         row = self.rows[rng.randrange(len(self.rows))]
@@ -203,7 +239,7 @@ class GSM8K(Task):
                 gold = self._gold_by_prompt[prompt]
             else:
                 raise ValueError(f"prompt {prompt[:60]!r} is not in {self.path}; pass answer=")
-            predicted = extract_answer(completion)
+            predicted = self.read_answer(completion)
             match = predicted is not None and normalize_answer(predicted) == normalize_answer(str(gold))
             rewards.append(1.0 if match else 0.0)
         return rewards

@@ -111,6 +111,7 @@ class Components:
             batches_per_epoch=batches,
             val_size=self.algorithm.val_size,
             batch_size=self.algorithm.prompts_per_step,
+            val_batch_size=self.algorithm.val_batch_size,
             seed=seed,
         )
 
@@ -217,8 +218,8 @@ def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_
         )
     if c.trainer.on_gpu() and engine_args.get("backend") == "int8" and engine_args.get("device") != "cpu":
         raise ValueError(
-            "rollout=int8 (fbgemm W8A8) runs on CPU; with a GPU trainer pick rollout=bf16/fp8_gemm/te_fp8/"
-            "vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
+            "rollout.backend=int8 (the integer W8A8 GEMM) runs on CPU; with a GPU trainer pick rollout.backend="
+            "emulate, rollout=bf16/fp8_gemm/te_fp8/vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
         )
     check = getattr(c.algorithm, "check_components", None)  # an algorithm's own cross-group rules
     if check is not None:
@@ -242,6 +243,23 @@ def _resolve_task_format(c: Components, cfg: DictConfig) -> None:
         cfg.task.format = settled
 
 
+def _align_outlier_channels(policy: Any, engine_args: dict[str, Any]) -> None:
+    """With ``policy.aligned_quantization`` the trainer runs the rollout recipe on every input channel, so the
+    engine keeps no outlier channel in high precision: ``rollout.outlier_fraction`` left None becomes 0; a
+    positive value is refused (the two forwards would differ on purpose)."""
+    if getattr(policy, "aligned_quantization", None) is None or "outlier_fraction" not in engine_args:
+        return
+    fraction = engine_args["outlier_fraction"]
+    if fraction is None:
+        engine_args["outlier_fraction"] = 0.0
+    elif fraction > 0:
+        raise ValueError(
+            f"rollout.outlier_fraction={fraction} keeps outlier channels in high precision in the engine, but "
+            "policy.aligned_quantization runs the trainer's forward through the recipe on every channel: set "
+            "rollout.outlier_fraction=0 (or leave it unset) for the aligned forward to match the engine"
+        )
+
+
 def validate(cfg: DictConfig) -> Components:
     """Build and check every cheap component of a composed ``ais-train`` config; raises ValueError naming the key.
 
@@ -254,6 +272,7 @@ def validate(cfg: DictConfig) -> Components:
     engine_cls, checked_args = check_engine(cfg)
     built = {g: build_option(cfg, g) for g in GROUPS if g != "rollout"}
     engine_args = _arguments(cfg.rollout)
+    _align_outlier_channels(built["policy"], engine_args)
     eval_engine = None
     copy_args = getattr(engine_cls, "TRAINER_PRECISION_COPY", None)
     if copy_args is not None:

@@ -1,4 +1,4 @@
-"""Time fp32 vs fbgemm int8 vs emulated FP8/FP4 linears at a few shapes; print a markdown table.
+"""Time fp32 vs integer-GEMM int8 vs emulated FP8/FP4 linears at a few shapes; print a markdown table.
 
 ``fp32`` is ``nn.Linear`` (``F.linear``: MKL on x86 CPU builds, what HF models and our engines run);
 ``fp32 oneDNN`` is the same GEMM through oneDNN with a prepacked weight
@@ -25,7 +25,7 @@ SHAPES = [(128, 1024, 1024), (32, 1024, 4096), (512, 512, 512), (64, 1024, 3072)
 VARIANTS = [
     ("fp32", None, None),
     ("fp32 oneDNN", None, "onednn"),
-    ("int8 fbgemm", "int8", "int8"),
+    ("int8 integer GEMM", "int8", "int8"),
     ("int8 emulate", "int8", "emulate"),
     ("fp8 emulate", "fp8", "emulate"),
     ("nvfp4 emulate", "nvfp4", "emulate"),

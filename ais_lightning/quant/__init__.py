@@ -4,7 +4,8 @@ See :mod:`.formats` (FP8/FP4/INT8 and nested-integer rounding), :mod:`.scaling`
 (tensor/channel/token/block/group/MX/NVFP4/E4M3-group scales), :mod:`.recipes` (named recipes),
 :mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.kv`, and the Bit-by-Bit pieces
 (arXiv 2604.07888): :mod:`.nested` (int8 -> int4 -> int2 views of one quantized weight), :mod:`.ocs`
-(rounding-aware outlier channel splitting), :mod:`.schedule` (progressive precision schedule).
+(rounding-aware outlier channel splitting), :mod:`.schedule` (progressive precision schedule); :mod:`.outliers`
+(outlier input channels kept in high precision, calibrated on activations).
 """
 
 from .formats import FORMATS, NumberFormat, get_format, round_to_float_grid
@@ -22,6 +23,7 @@ from .linear import (
 )
 from .nested import NESTED_FORMATS, nested_format, nested_view, nested_views
 from .ocs import OCSSplit, merge_split, ocs_split, rounding_aware_pieces, select_outlier_channels
+from .outliers import InputRange, OutlierCalibration, largest_channels, outlier_count
 from .recipes import NESTED_INT_RECIPES, RECIPES, QuantRecipe, get_recipe, nested_int_recipe
 from .scaling import (
     SCALINGS,
@@ -38,12 +40,14 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_SKIP",
     "FORMATS",
+    "InputRange",
     "NESTED_FORMATS",
     "NESTED_INT_RECIPES",
     "RECIPES",
     "SCALINGS",
     "NumberFormat",
     "OCSSplit",
+    "OutlierCalibration",
     "PrecisionSchedule",
     "QuantLinear",
     "QuantRecipe",
@@ -57,12 +61,14 @@ __all__ = [
     "get_recipe",
     "kv_amax",
     "kv_scale_from_amax",
+    "largest_channels",
     "merge_split",
     "nested_format",
     "nested_int_recipe",
     "nested_view",
     "nested_views",
     "ocs_split",
+    "outlier_count",
     "quantize",
     "quantize_model",
     "quantize_with_scales",

@@ -6,11 +6,11 @@ Backends:
   (cached) and the input activation (dynamic, every forward), then an fp32/bf16 ``F.linear``.
   This is how FP8/FP4 rollouts are emulated on CPU (FP8-RL, arXiv 2601.18150; QeRL/QaRL-style
   fake quantization).
-- ``"int8"`` (CPU): fbgemm dynamic W8A8 through ``torch.ops.quantized.linear_prepack`` /
-  ``linear_dynamic``, the real speed path on this machine. Only with the ``int8`` recipe. The weight
-  is quantized exactly like the emulated recipe (per output channel, symmetric); fbgemm quantizes
-  the *activation* per tensor, asymmetric uint8 with a 7-bit range (``reduce_range``), not per token,
-  so its numerics differ slightly from ``backend="emulate"`` with the int8 recipe.
+- ``"int8"`` (CPU): the ``int8`` recipe on an integer GEMM, :func:`int8_linear`: the activation
+  quantized per token (symmetric, scale ``amax / 127``), the weight per output channel, their product
+  accumulated exactly in int32 by ``torch._int_mm`` (oneDNN; fast where the CPU has VNNI int8 dot
+  products, :func:`int8_gemm_is_fast`) and scaled back in fp32. The integers are the emulated recipe's,
+  so the two backends agree up to fp32 rounding. Only with the ``int8`` recipe.
 - ``"fp8_gemm"`` (CUDA): the real FP8 GEMM, ``torch._scaled_mm`` on E4M3 data. Recipes ``fp8_tensor``
   (per-tensor scales) and ``fp8_channel`` (per-row: weight per output channel, activation per token) run
   wherever ``_scaled_mm`` has them (compute capability >= 8.9); ``fp8`` / ``fp8_block`` run the
@@ -19,6 +19,12 @@ Backends:
   (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_check_deepseek_support``; on Blackwell the block-scaled
   FP8 GEMM is MXFP8's, a different recipe). :func:`fp8_gemm_requirement` names what a device lacks.
   Refuses a non-CUDA weight (the CPU kernel exists for tensor/row scales but is slower than emulation).
+
+**Outlier channels** (:mod:`.outliers`, any backend): :meth:`QuantLinear.set_outlier_channels` keeps some
+input channels in the layer's dtype, ``y = Q(x * keep) Q(W * keep)^T + x[:, out] W[:, out]^T + b``; the
+columns are zeroed in place so blocks along K keep their layout. ``input_range`` (an
+:class:`~ais_lightning.quant.outliers.InputRange`, set by an
+:class:`~ais_lightning.quant.outliers.OutlierCalibration`) records the input's per-channel range while set.
 
 Recipes with ``ocs_ratio > 0`` (emulate only) split the weight's outlier input channels at every
 refresh (:func:`ais_lightning.quant.ocs.ocs_split`, rounding-aware for the recipe's weight grid) and run
@@ -38,7 +44,6 @@ counter or storage changed (in-place ``copy_``/optimizer steps, ``load_state_dic
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 
 import torch
@@ -46,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ocs import merge_split, ocs_split
+from .outliers import InputRange
 from .recipes import QuantRecipe, get_recipe
 from .scaling import fake_quantize, quantize
 
@@ -62,25 +68,44 @@ FP8_GEMM_BLOCKWISE = ("fp8_block",)
 """``fp8_gemm`` recipes that need the blockwise (1x128 x 128x128) ``_scaled_mm``: Hopper, CUDA >= 12.9."""
 
 
-def _quantized_engine_reduce_range() -> bool:
-    """fbgemm/x86 engines need a 7-bit activation range (AVX2 vpmaddubsw saturation); others do not."""
-    engine = torch.backends.quantized.engine
-    if engine == "none":
-        raise RuntimeError("backend 'int8' needs a torch quantized engine (fbgemm/x86); none is available")
-    return engine in ("fbgemm", "x86")
+def int8_gemm_is_fast() -> bool:
+    """Whether this CPU has VNNI int8 dot products (AVX512-VNNI / AVX-VNNI), where ``torch._int_mm`` runs
+    through oneDNN's int8 kernels; elsewhere it may fall back to a slow reference loop."""
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
-def int8_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
-    """Quantize ``weight [N, K]`` per output channel (symmetric, scale = amax / 127) and prepack it for fbgemm."""
+def default_int8_backend() -> str:
+    """The backend that runs the ``int8`` recipe fastest here: ``"int8"`` (integer GEMM) where
+    :func:`int8_gemm_is_fast`, else ``"emulate"`` (the same numerics in fp32)."""
+    return "int8" if int8_gemm_is_fast() else "emulate"
+
+
+def int8_weight_operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mat2, scale)`` of :func:`int8_linear` from ``weight [N, K]``: int8 per output channel (symmetric,
+    scale ``amax / 127``), ``mat2`` ``[K, N]`` column-major (the transpose of the contiguous ``[N, K]``
+    codes), ``scale`` ``[N]`` float32."""
     q = quantize(weight.detach(), "int8", "channel", name="weight")
-    n = weight.shape[0]
-    with warnings.catch_warnings():  # torch >= 2.10 deprecates quantized-tensor creation; the op still works
-        warnings.simplefilter("ignore")
-        qweight = torch._make_per_channel_quantized_tensor(
-            q.data.cpu(), q.scale.reshape(n).double().cpu(), torch.zeros(n, dtype=torch.long), 0
-        )
-        b = None if bias is None else bias.detach().float().cpu()
-        return torch.ops.quantized.linear_prepack(qweight, b)
+    return q.data.contiguous().t(), q.scale.reshape(-1)
+
+
+def int8_linear(
+    x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` as the ``int8`` recipe on an integer GEMM; ``x [..., K]`` float.
+
+    The activation is quantized per token exactly as the emulated recipe does
+    (:func:`ais_lightning.quant.scaling.quantize` with ``("int8", "token")``), multiplied by the int8
+    weight ``weight_t [K, N]`` (:func:`int8_weight_operands`) with exact int32 accumulation
+    (``torch._int_mm``), and scaled by ``scale_x [M, 1] * weight_scale [N]`` in fp32.
+    """
+    k = x.shape[-1]
+    qx = quantize(x.reshape(-1, k), "int8", "token", check_finite=False, name="input")  # [M, K], scale [M, 1]
+    y = torch._int_mm(qx.data, weight_t).float()  # [M, N] int32 -> fp32
+    y = y.mul_(qx.scale).mul_(weight_scale)
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight_t.shape[1])
 
 
 def fp8_gemm_requirement(
@@ -220,6 +245,7 @@ class QuantLinear(nn.Linear):
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_outliers()
         self._setup(recipe, backend)
 
     @classmethod
@@ -235,8 +261,15 @@ class QuantLinear(nn.Linear):
         layer.weight = linear.weight
         layer.register_parameter("bias", linear.bias)
         layer.train(linear.training)
+        layer._init_outliers()
         layer._setup(recipe, backend)
         return layer
+
+    def _init_outliers(self) -> None:
+        # Calibration state (kept across set_recipe): the input channels kept in high precision, and the
+        # observer of the input's per-channel range while an OutlierCalibration observes this layer.
+        self.outlier_channels: torch.Tensor | None = None  # [k] ascending input channels, or None
+        self.input_range: InputRange | None = None
 
     def _setup(self, recipe: str | QuantRecipe, backend: str) -> None:
         recipe = get_recipe(recipe)
@@ -246,11 +279,12 @@ class QuantLinear(nn.Linear):
         # Caches derived from `weight` (plain attributes, not buffers: they are no model state, so they
         # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
         self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K] (OCS: [N, K + S])
-        self.weight_fp8_t: torch.Tensor | None = None  # fp8_gemm: [K, N] col-major
-        self.weight_fp8_scale: torch.Tensor | None = None  # fp8_gemm: [], [1, N] or [K/128, N/128]
+        self.weight_q_t: torch.Tensor | None = None  # int8 / fp8_gemm: [K, N] col-major codes
+        self.weight_q_scale: torch.Tensor | None = None  # int8: [N]; fp8_gemm: [], [1, N] or [K/128, N/128]
         self.ocs_index: torch.Tensor | None = None  # emulate + OCS: [K + S] input column of each split column
         self.ocs_channels: torch.Tensor | None = None  # emulate + OCS: [S] split input channels
-        self._packed = None  # int8: fbgemm packed params
+        self.weight_outliers: torch.Tensor | None = None  # outlier channels: W[:, out] [N, k], high precision
+        self._keep: torch.Tensor | None = None  # outlier channels: [K], 0 at them, 1 elsewhere (x's dtype)
         self._stamp = None
         self.refresh()
 
@@ -265,15 +299,22 @@ class QuantLinear(nn.Linear):
     def _check_backend(self, recipe: QuantRecipe, backend: str) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if recipe.ocs_ratio > 0 and self.outlier_channels is not None:
+            raise ValueError(
+                f"recipe {recipe.name!r} splits outlier channels itself (ocs_ratio={recipe.ocs_ratio}); this layer "
+                "keeps outlier channels in high precision (set_outlier_channels): use one or the other"
+            )
         if recipe.ocs_ratio > 0 and backend != "emulate":
             raise ValueError(
                 f"recipe {recipe.name!r} splits outlier channels (ocs_ratio={recipe.ocs_ratio}), which only "
                 f"backend 'emulate' runs, got backend {backend!r}"
             )
         if backend == "int8" and recipe.name != "int8":
-            raise ValueError(f"backend 'int8' (fbgemm W8A8) only runs the 'int8' recipe, got {recipe.name!r}")
+            raise ValueError(
+                f"backend 'int8' (integer W8A8 GEMM) only runs the 'int8' recipe, got {recipe.name!r}"
+            )
         if backend == "int8" and self.weight.device.type != "cpu":
-            raise ValueError(f"backend 'int8' runs on CPU (fbgemm), weight is on {self.weight.device}")
+            raise ValueError(f"backend 'int8' runs on CPU (torch._int_mm), weight is on {self.weight.device}")
         if backend == "fp8_gemm":
             if recipe.name not in FP8_GEMM_RECIPES:
                 raise ValueError(
@@ -299,13 +340,49 @@ class QuantLinear(nn.Linear):
         """Identity of the current weight/bias contents: storage, version counter, dtype, device."""
         return tuple(_tensor_stamp(t) for t in (self.weight, self.bias) if t is not None)
 
+    def set_outlier_channels(self, channels: torch.Tensor | None) -> None:
+        """Keep the input ``channels`` (``[k]`` indices) in the layer's dtype; None quantizes every channel.
+
+        The quantized caches are re-derived on the next forward (or :meth:`refresh`). See :mod:`.outliers`.
+        """
+        if channels is not None:
+            channels = torch.as_tensor(channels).detach()
+            if channels.dim() != 1 or channels.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    f"channels must be a 1-D integer tensor, got {channels.dtype} {tuple(channels.shape)}"
+                )
+            channels = channels.long().unique()  # sorted, no repeats
+            if channels.numel() and not 0 <= int(channels[0]) <= int(channels[-1]) < self.in_features:
+                raise ValueError(f"channels must lie in [0, {self.in_features}), got {channels.tolist()}")
+            if self.recipe.ocs_ratio > 0:
+                raise ValueError(
+                    f"recipe {self.recipe.name!r} splits outlier channels itself (ocs_ratio={self.recipe.ocs_ratio}); "
+                    "it cannot also keep channels in high precision"
+                )
+            channels = channels.to(self.weight.device)
+        self.outlier_channels = channels if channels is not None and channels.numel() else None
+        self._stamp = None  # re-derive the caches
+
+    def _main_weight(self) -> torch.Tensor:
+        """The weight the recipe quantizes: ``weight`` with the outlier columns zeroed.  # [N, K]"""
+        if self.outlier_channels is None:
+            return self.weight
+        return self.weight.index_fill(1, self.outlier_channels, 0.0)
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-quantize the cached weight from ``self.weight`` (call after the weight changed)."""
         r = self.recipe
+        weight = self._main_weight()
+        if self.outlier_channels is None:
+            self.weight_outliers = self._keep = None
+        else:
+            self.weight_outliers = self.weight.index_select(1, self.outlier_channels)  # [N, k]
+            keep = torch.ones(self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+            self._keep = keep.index_fill_(0, self.outlier_channels, 0.0)  # [K]
         if self.backend == "emulate" and r.ocs_ratio > 0:
             split = ocs_split(
-                self.weight,
+                weight,
                 ratio=r.ocs_ratio,
                 fmt=r.weight_fmt,
                 scaling=r.weight_scaling,
@@ -315,33 +392,46 @@ class QuantLinear(nn.Linear):
             self.ocs_index, self.ocs_channels = split.index, split.channels
         elif self.backend == "emulate":
             self.weight_fq = fake_quantize(
-                self.weight, r.weight_fmt, r.weight_scaling, r.weight_block, name="weight"
+                weight, r.weight_fmt, r.weight_scaling, r.weight_block, name="weight"
             )
             self.ocs_index = self.ocs_channels = None
         elif self.backend == "int8":
-            self._packed = int8_prepack(self.weight, self.bias)
+            self.weight_q_t, self.weight_q_scale = int8_weight_operands(weight)
         elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [K/128, N/128]
-            q = quantize(self.weight, r.weight_fmt, "block", r.weight_block, name="weight")
-            self.weight_fp8_t, self.weight_fp8_scale = blockwise_weight_operands(q.data, q.scale)
+            q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
+            self.weight_q_t, self.weight_q_scale = blockwise_weight_operands(q.data, q.scale)
         else:
-            q = quantize(self.weight, r.weight_fmt, r.weight_scaling, name="weight")
-            self.weight_fp8_t = q.data.t()  # [K, N] column-major view of the row-major [N, K]
-            self.weight_fp8_scale = (
+            q = quantize(weight, r.weight_fmt, r.weight_scaling, name="weight")
+            self.weight_q_t = q.data.t()  # [K, N] column-major view of the row-major [N, K]
+            self.weight_q_scale = (
                 q.scale.reshape(()) if r.weight_scaling == "tensor" else q.scale.reshape(1, -1)
             )
         self._stamp = self._current_stamp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_range is not None:  # an OutlierCalibration observes this layer
+            self.input_range.update(x)
+            if self.input_range.bypass:
+                return F.linear(x, self.weight, self.bias)
         if self._stamp != self._current_stamp():
             self.refresh()
+        x_main = x if self._keep is None else x * self._keep.to(x.dtype)  # [..., K], outlier columns zeroed
+        y = self._quantized_forward(x_main)
+        if self.outlier_channels is not None:  # + x[:, out] W[:, out]^T in high precision
+            w_out = self.weight_outliers
+            if torch.is_grad_enabled() and self.weight.requires_grad:
+                w_out = self.weight.index_select(1, self.outlier_channels)
+            y = y + F.linear(x.index_select(-1, self.outlier_channels), w_out)
+        return y
+
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The recipe's quantized linear of ``x [..., K]`` (outlier columns already zeroed)."""
         r = self.recipe
         if self.backend == "int8":
-            reduce_range = _quantized_engine_reduce_range()
-            y = torch.ops.quantized.linear_dynamic(x.float().contiguous(), self._packed, reduce_range)
-            return y.to(x.dtype)
+            return int8_linear(x, self.weight_q_t, self.weight_q_scale, self.bias)
         if self.backend == "fp8_gemm":
             return scaled_mm_linear(
-                x, self.weight_fp8_t, self.weight_fp8_scale, self.bias, r.act_fmt, r.act_scaling
+                x, self.weight_q_t, self.weight_q_scale, self.bias, r.act_fmt, r.act_scaling
             )
         w = self.weight_fq
         if self.ocs_index is not None:  # [..., K + S]: the split channels' activation columns duplicated
@@ -353,7 +443,7 @@ class QuantLinear(nn.Linear):
             if x.requires_grad:
                 x_q = x + (x_q - x).detach()
             if self.weight.requires_grad:
-                master = self.weight if self.ocs_index is None else self._naive_split(self.weight)
+                master = self._main_weight() if self.ocs_index is None else self._naive_split(self.weight)
                 w = master + (w - master).detach()
         return F.linear(x_q, w, self.bias)
 
@@ -373,19 +463,25 @@ class QuantLinear(nn.Linear):
     def effective_weight(self) -> torch.Tensor:
         """The weight the layer effectively multiplies by, ``[N, K]`` (emulate backend).
 
-        The fake-quantized weight; with OCS, its split columns summed back (``OCSSplit.merge``).
+        The fake-quantized weight; with OCS, its split columns summed back (``OCSSplit.merge``); with
+        outlier channels, their columns exact (the activation of those channels is not quantized either).
         """
         if self.backend != "emulate":
             raise ValueError(f"effective_weight needs backend 'emulate', this layer runs {self.backend!r}")
         if self._stamp != self._current_stamp():
             self.refresh()
-        if self.ocs_index is None:
-            return self.weight_fq
-        return merge_split(self.weight_fq, self.ocs_channels, self.in_features)
+        if self.ocs_index is not None:
+            return merge_split(self.weight_fq, self.ocs_channels, self.in_features)
+        if self.outlier_channels is not None:  # the outlier columns are the exact weight's
+            return self.weight_fq.index_copy(1, self.outlier_channels, self.weight_outliers)
+        return self.weight_fq
 
     def extra_repr(self) -> str:
         ocs = f", ocs_split={self.ocs_channels.numel()}" if self.ocs_channels is not None else ""
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}{ocs}"
+        out = (
+            f", outlier_channels={self.outlier_channels.numel()}" if self.outlier_channels is not None else ""
+        )
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}{ocs}{out}"
 
 
 def quantize_model(

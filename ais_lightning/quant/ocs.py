@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import NumberFormat, get_format
+from .outliers import largest_channels
 from .scaling import QuantizedTensor, dequantize, quantize, quantize_with_scales
 
 
@@ -132,8 +133,7 @@ def select_outlier_channels(weight: torch.Tensor, n_split: int) -> torch.Tensor:
     if not isinstance(n_split, int) or isinstance(n_split, bool) or not 0 <= n_split <= weight.shape[1]:
         raise ValueError(f"n_split must be an int in [0, {weight.shape[1]}], got {n_split!r}")
     amax = weight.detach().abs().amax(dim=0) if weight.shape[0] else weight.new_zeros(weight.shape[1])  # [K]
-    order = torch.argsort(amax.float(), descending=True, stable=True)[:n_split]
-    return order.sort().values
+    return largest_channels(amax, n_split)
 
 
 def ocs_split(

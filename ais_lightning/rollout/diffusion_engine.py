@@ -52,6 +52,7 @@ from torch import nn
 
 from ais_lightning.checks import check_int
 from ais_lightning.ops import logprobs_from_logits, pad_sequences
+from ais_lightning.quant.linear import default_int8_backend
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
 from ais_lightning.rollout.sampling import make_generator, sample_next
 
@@ -70,7 +71,7 @@ REMASKING = ("low_confidence", "random")
 """LLaDA's remasking strategies: which of the step's candidates are kept."""
 QUANT_BACKENDS = ("emulate", "int8")
 """``ais_lightning.quant.quantize_model`` backends this engine runs."""
-_DEFAULT_BACKEND = {"fp8": "emulate", "fp4": "emulate", "int8": "int8"}
+_DEFAULT_BACKEND = {"fp8": "emulate", "fp4": "emulate", "int8": default_int8_backend()}
 """The quantization backend of each quantized precision when ``backend`` is None (as the torch engine)."""
 
 
@@ -154,8 +155,9 @@ class DiffusionRolloutEngine:
             ``config.mask_token_id`` unless ``mask_token_id`` is given. It is deep-copied; the caller's
             module is never modified.
         precision: ``fp32`` | ``bf16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4`` (NVFP4) | ``int8``.
-        backend: quantization backend for fp8/fp4/int8 (``"emulate"`` or ``"int8"`` = fbgemm W8A8, int8
-            only); None: fp8/fp4 -> emulate, int8 -> int8 (the torch engine's choices).
+        backend: quantization backend for fp8/fp4/int8 (``"emulate"`` or ``"int8"`` = the integer W8A8 GEMM, int8
+            only); None: fp8/fp4 -> emulate, int8 -> the integer GEMM where the CPU has VNNI, else emulate
+            (the torch engine's choices).
         steps: denoising steps for the whole response; None = one per response token
             (see :func:`denoising_schedule`).
         block_length: positions per semi-autoregressive block; None = the whole response is one block.
@@ -260,7 +262,7 @@ class DiffusionRolloutEngine:
                 )
             if backend == "int8" and precision != "int8":
                 raise ValueError(
-                    f"{name}: backend='int8' (fbgemm) only runs precision='int8', got precision={precision!r}"
+                    f"{name}: backend='int8' (integer GEMM) only runs precision='int8', got precision={precision!r}"
                 )
         args["backend"] = backend if backend is not None else _DEFAULT_BACKEND.get(precision)
         for arg in ("steps", "block_length"):

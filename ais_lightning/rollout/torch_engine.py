@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ais_lightning.quant.linear import default_int8_backend
+from ais_lightning.quant.outliers import OutlierCalibration, check_fraction
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
 from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
 from ais_lightning.rollout.decoders import (
@@ -85,10 +87,14 @@ _DEFAULT_BACKEND = {
     "fp8_tensor": "emulate",
     "fp8_channel": "emulate",
     "fp4": "emulate",
-    "int8": "int8",
+    "int8": default_int8_backend(),
     **dict.fromkeys(NESTED_INT_RECIPES, "emulate"),
 }
-"""The quantization backend of each quantized precision when ``backend`` is None."""
+"""The quantization backend of each quantized precision when ``backend`` is None (int8: the integer GEMM where
+the CPU has VNNI int8 dot products, else the same numerics emulated)."""
+DEFAULT_OUTLIER_FRACTION = {"int8": 0.05, "fp8": 0.05}
+"""Fraction of every quantized linear's input channels kept in high precision when ``outlier_fraction`` is None
+(:mod:`ais_lightning.quant.outliers`); other precisions quantize every channel by default."""
 
 
 def _resolve_model_impl(model: nn.Module, model_impl: str, kv_cache_dtype: str | None) -> str:
@@ -129,6 +135,24 @@ def _check_cached_decoding(model: nn.Module) -> None:
         )
 
 
+def _resolve_outlier_fraction(name: str, precision: str, fraction: float | None) -> float:
+    """The engine's ``outlier_fraction`` at ``precision``: None -> :data:`DEFAULT_OUTLIER_FRACTION`, 0 when
+    nothing is quantized; ValueError on a value outside [0, 1) or beside a recipe that splits outliers itself."""
+    if fraction is None:
+        fraction = DEFAULT_OUTLIER_FRACTION.get(precision, 0.0)
+    fraction = check_fraction(fraction)
+    if precision not in _DEFAULT_BACKEND:
+        return 0.0
+    from ais_lightning.quant import get_recipe
+
+    if fraction > 0 and get_recipe(precision).ocs_ratio > 0:
+        raise ValueError(
+            f"outlier_fraction={fraction} keeps outlier channels in high precision, and precision={precision!r} "
+            f"splits them (outlier channel splitting) in {name}: use one, e.g. outlier_fraction=0"
+        )
+    return fraction
+
+
 def _quantized_modules(model: nn.Module) -> list[nn.Module]:
     from ais_lightning.quant import QuantLinear
 
@@ -161,7 +185,7 @@ def _check_engine_device(name: str, device: Any, backend: str | None, precision:
         device = str(dev)
         if backend == "int8" and dev.type != "cpu":
             raise ValueError(
-                f"device={device!r}: backend='int8' (fbgemm W8A8) runs on CPU only in {name}; use device='cpu'"
+                f"device={device!r}: backend='int8' (integer GEMM) runs on CPU only in {name}; use device='cpu' or backend='emulate'"
             )
     if backend != "fp8_gemm":
         return device
@@ -192,10 +216,11 @@ class TorchRolloutEngine:
         precision: ``fp32`` | ``bf16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4`` (NVFP4) | ``int8``.
         kv_cache_dtype: None or ``"auto"`` (model dtype), or ``"fp8"`` (E4M3 fake-quantized, per-head scales).
         backend: quantization backend for fp8/fp4/int8: ``"emulate"`` (exact-numerics fake
-            quantization, any device), ``"int8"`` (fbgemm dynamic W8A8, the real CPU speed path, int8
-            only) or ``"fp8_gemm"`` (the real FP8 GEMM, ``torch._scaled_mm``, CUDA: ``fp8_tensor`` and
-            ``fp8_channel`` on compute capability >= 8.9, blockwise ``fp8`` on Hopper with CUDA >= 12.9;
-            checked by :meth:`check_args`). None: fp8/fp4 -> emulate, int8 -> int8.
+            quantization, any device), ``"int8"`` (the int8 recipe on an integer GEMM, ``torch._int_mm``:
+            the CPU speed path where the CPU has VNNI; same numerics as ``emulate``; int8 only) or
+            ``"fp8_gemm"`` (the real FP8 GEMM, ``torch._scaled_mm``, CUDA: ``fp8_tensor`` and ``fp8_channel``
+            on compute capability >= 8.9, blockwise ``fp8`` on Hopper with CUDA >= 12.9; checked by
+            :meth:`check_args`). None: fp8/fp4 -> emulate, int8 -> int8 on a CPU with VNNI, else emulate.
         device: where the engine's copy of the model lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); None:
             the device of ``model`` (``ais-train`` hands the engine a model on the trainer's device).
             ``"cuda"`` without an index is the current CUDA device (each rank's own GPU under Lightning).
@@ -209,6 +234,12 @@ class TorchRolloutEngine:
             causal LM; ``"lean"`` insists on the lean forward (ValueError saying why it cannot run a model);
             ``"transformers"`` always runs the model's forward (slower per step on small models). An FP8 KV
             cache needs the lean forward. The resolved choice is :attr:`model_impl`.
+        outlier_fraction: the fraction of every quantized linear's input channels kept in the model dtype,
+            those with the largest activation range (:mod:`ais_lightning.quant.outliers`), in [0, 1). The ranges
+            are calibrated by an unquantized pass over the prompts of the first ``generate`` and then observed at
+            every prefill; each weight sync picks the channels from what the prefills since the previous sync
+            saw. None: 0.05 for int8 and fp8 (real LLMs' outlier features break both otherwise), 0 for the other
+            precisions (:data:`DEFAULT_OUTLIER_FRACTION`). Ignored at fp32/bf16.
     """
 
     PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
@@ -232,6 +263,7 @@ class TorchRolloutEngine:
         pad_token_id: int | None = None,
         compact_below: float = 0.5,
         model_impl: str = "auto",
+        outlier_fraction: float | None = None,
     ) -> None:
         args = TorchRolloutEngine.check_args(
             precision=precision,
@@ -241,11 +273,15 @@ class TorchRolloutEngine:
             pad_token_id=pad_token_id,
             compact_below=compact_below,
             model_impl=model_impl,
+            outlier_fraction=outlier_fraction,
         )
         self.precision = args["precision"]
         self.kv_cache_dtype = args["kv_cache_dtype"]
         self.backend = args["backend"]
         self.compact_below = args["compact_below"]
+        self._outlier_fraction_arg = outlier_fraction
+        self.outlier_fraction = args["outlier_fraction"]
+        """Fraction of each quantized linear's input channels kept in high precision (None resolved)."""
 
         self.model_impl = self.check_model(
             model, precision=self.precision, kv_cache_dtype=self.kv_cache_dtype, model_impl=args["model_impl"]
@@ -265,6 +301,12 @@ class TorchRolloutEngine:
         engine runs the model's own forward."""
         self.quantized = self.lean.quantized if self.lean is not None else _quantized_modules(self.model)
         """Every ``QuantLinear`` the forward calls, once: what a weight sync re-quantizes."""
+        self.outliers = (
+            OutlierCalibration(self.quantized, self.outlier_fraction)
+            if self.outlier_fraction > 0 and self.quantized
+            else None
+        )
+        """Calibration of the outlier channels kept in high precision, or None (no quantized layer, or 0)."""
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         if pad_token_id is None:
             pad_token_id = getattr(self.model.config, "pad_token_id", None)
@@ -280,7 +322,8 @@ class TorchRolloutEngine:
 
         Unknown names, and values outside what the engine runs, raise ValueError naming the argument
         and the allowed values. Returns every argument with the constructor's defaults filled in and
-        normalized: ``kv_cache_dtype`` ``"auto"`` -> None, ``backend`` None -> the precision's default.
+        normalized: ``kv_cache_dtype`` ``"auto"`` -> None, ``backend`` None -> the precision's default,
+        ``outlier_fraction`` None -> the precision's default (0 at fp32/bf16).
         """
         name = "TorchRolloutEngine"
         args = bind_engine_args(TorchRolloutEngine, kwargs)
@@ -303,7 +346,7 @@ class TorchRolloutEngine:
                 )
             if backend == "int8" and precision != "int8":
                 raise ValueError(
-                    f"backend='int8' (fbgemm) only runs precision='int8' in {name}, got precision={precision!r}; "
+                    f"backend='int8' (integer GEMM) only runs precision='int8' in {name}, got precision={precision!r}; "
                     f"backend for precision={precision!r} must be 'emulate' or None"
                 )
         args["backend"] = backend if backend is not None else _DEFAULT_BACKEND.get(precision)
@@ -315,6 +358,7 @@ class TorchRolloutEngine:
             raise ValueError(f"compact_below must be in [0, 1) for {name}, got {compact_below}")
         check_pad_token_id(name, args["pad_token_id"])
         check_choice(name, "model_impl", args["model_impl"], MODEL_IMPLS)
+        args["outlier_fraction"] = _resolve_outlier_fraction(name, precision, args["outlier_fraction"])
         if args["model_impl"] == "transformers" and args["kv_cache_dtype"] == "fp8":
             raise ValueError(
                 f"kv_cache_dtype='fp8' needs the lean forward in {name}; model_impl='transformers' runs the "
@@ -353,7 +397,7 @@ class TorchRolloutEngine:
         """Refuse a device the backend cannot run on (the model's own device is only known here)."""
         if self.backend == "int8" and device.type != "cpu":
             raise ValueError(
-                f"device={str(device)!r}: backend='int8' (fbgemm W8A8) runs on CPU only; pass device='cpu' "
+                f"device={str(device)!r}: backend='int8' (integer W8A8 GEMM) runs on CPU only; pass device='cpu' "
                 "for CPU rollouts, or pick a GPU precision (bf16, fp8 with backend='fp8_gemm', engine 'te' "
                 "or 'vllm')"
             )
@@ -392,8 +436,9 @@ class TorchRolloutEngine:
         For an engine on the ``emulate`` backend (fp8, fp4 and the nested integer recipes ``int8_nested``,
         ``int4``, ``int2``, ``_w``, ``_ocs``): every quantized linear re-derives its cache from the weights
         it holds (:func:`ais_lightning.quant.switch_recipe`), exactly as if the engine had been built at
-        ``precision`` from its current weights; FP8 KV-cache scales are recalibrated on the next prefill. A
-        precision that needs another backend or no quantization (fp32, bf16, fbgemm int8) raises ValueError
+        ``precision`` from its current weights; FP8 KV-cache scales, and the outlier channels at the new
+        precision's ``outlier_fraction``, are recalibrated on the next prefill. A
+        precision that needs another backend or no quantization (fp32, bf16, int8 on the integer GEMM) raises ValueError
         and changes nothing: build a new engine for those.
         """
         name = "TorchRolloutEngine.set_precision"
@@ -407,8 +452,19 @@ class TorchRolloutEngine:
             )
         from ais_lightning.quant import get_recipe, switch_recipe
 
-        switch_recipe(self.model, get_recipe(precision), backend="emulate")
+        fraction = _resolve_outlier_fraction(name, precision, self._outlier_fraction_arg)
+        channels = [layer.outlier_channels for layer in self.quantized]
+        for layer in self.quantized:  # a fresh engine starts uncalibrated
+            layer.set_outlier_channels(None)
+        try:
+            switch_recipe(self.model, get_recipe(precision), backend="emulate")
+        except ValueError:
+            for layer, kept in zip(self.quantized, channels):
+                layer.set_outlier_channels(kept)
+            raise
         self.precision = precision
+        self.outlier_fraction = fraction
+        self.outliers = OutlierCalibration(self.quantized, fraction) if fraction > 0 else None
         if self.kv_scales is not None:
             self.kv_scales.reset()
 
@@ -429,7 +485,10 @@ class TorchRolloutEngine:
             self.kv_scales.reset()  # recalibrated on the next prefill
 
     def _after_sync(self) -> None:
-        """Re-derive cached low-precision weights after new weights were loaded."""
+        """Re-derive cached low-precision weights after new weights were loaded (outlier channels picked
+        first, from the activation ranges the prefills since the previous sync saw)."""
+        if self.outliers is not None:
+            self.outliers.apply()
         requantize(self.quantized)  # empty at fp32/bf16
 
     # --------------------------------------------------------------- generate
@@ -455,11 +514,23 @@ class TorchRolloutEngine:
         with self.forward_context():
             return self._generate(prompts, sampling, uniforms)
 
-    def _decoder(self) -> LeanDecoder | TransformersDecoder:
-        """A fresh forward state for one ``generate`` call (:mod:`ais_lightning.rollout.decoders`)."""
+    def _decoder(self, fp8_kv: bool = True) -> LeanDecoder | TransformersDecoder:
+        """A fresh forward state for one ``generate`` call (:mod:`ais_lightning.rollout.decoders`);
+        ``fp8_kv=False``: the cache in the model dtype even when the engine's is FP8 (a calibration pass,
+        which must not calibrate the FP8 KV scales)."""
         if self.lean is not None:
-            return LeanDecoder(self.lean, self.kv_workspace, self.kv_scales)
+            return LeanDecoder(self.lean, self.kv_workspace, self.kv_scales if fp8_kv else None)
         return TransformersDecoder(self.model)
+
+    def _calibrate_outliers(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, new: int
+    ) -> None:
+        """Pick the outlier channels from an unquantized prefill of these prompts (its logits are discarded)."""
+        assert self.outliers is not None
+        with self.outliers.observe(bypass=True):
+            self._decoder(fp8_kv=False).prefill(prompt_ids, prompt_mask, n, new)
+        self.outliers.apply()
+        requantize(self.quantized)
 
     def _generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, uniforms: torch.Tensor | None = None
@@ -471,8 +542,11 @@ class TorchRolloutEngine:
         prompt_ids, prompt_mask = prompt_ids.to(dev), prompt_mask.to(dev)
         bp = prompt_ids.shape[0]
         batch, new = bp * n, sampling.max_new_tokens
+        if self.outliers is not None and not self.outliers.calibrated:
+            self._calibrate_outliers(prompt_ids, prompt_mask, n, new)
         decoder = self._decoder()
-        logits = decoder.prefill(prompt_ids, prompt_mask, n, new)  # [B, V]
+        with self.outliers.observe() if self.outliers is not None else contextlib.nullcontext():
+            logits = decoder.prefill(prompt_ids, prompt_mask, n, new)  # [B, V]
 
         out_ids = torch.full((batch, new), self.pad_token_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((batch, new), dtype=torch.float32, device=dev)

@@ -8,7 +8,7 @@ layer at a time over a caller-owned KV cache: a packed prefill
 layer (projections and MLP on the real prompt tokens only) and a single-token decode layer. It calls
 the model's own submodules (norms, projections, MLP, lm_head: quantized ``QuantLinear`` layers are
 used as they are) but not HF's generic forward/cache machinery, which costs more per step than the
-math on small models. q/k/v run as one GEMM where that is exact (plain and fbgemm-int8 linears).
+math on small models. q/k/v run as one GEMM where that is exact (plain and integer-GEMM int8 linears).
 
 The layer math follows HF's ``transformers/models/qwen3/modeling_qwen3.py`` (RMSNorm, half-rotation
 RoPE, grouped-query attention via ``repeat_kv``, gated SiLU MLP), rearranged into fewer kernels.
@@ -219,15 +219,16 @@ class LeanLlama:
         (:func:`fused_linear`).
 
         - plain ``nn.Linear`` (fp32/bf16): an ``nn.Linear`` over the concatenated weight.
-        - fbgemm int8 ``QuantLinear``: one int8 ``QuantLinear`` over the concatenated weight. This is
-          exact: weights are quantized per output channel (concatenation keeps every row's scale) and
-          fbgemm quantizes the activation per tensor, the same ``h`` for q, k and v, so one activation
-          quantization serves all three. A weight sync re-packs it (not the three).
+        - int8 ``QuantLinear`` on the integer GEMM (``backend="int8"``): one int8 ``QuantLinear`` over the
+          concatenated weight. This is exact: weights are quantized per output channel (concatenation keeps
+          every row's scale) and the activation per token, the same ``h`` for q, k and v, so one activation
+          quantization serves all three; their outlier channels, picked from the ranges of that same ``h``,
+          are one set too. A weight sync re-quantizes it (not the three).
         - emulated recipes keep three modules (per-tensor weight scales would change under fusion).
 
         gate/up are deliberately *not* fused: at the decode shape (M = batch) one ``[M, H] x [H, 2 I]``
         GEMM was slower than two ``[M, H] x [H, I]`` ones on CPU (MKL, e.g. 16.3 vs 2 x 5.8 ms for
-        H = 1024, I = 3072, M = 64 on 2 threads; fbgemm int8 7.9 vs 7.5 ms), presumably because the
+        H = 1024, I = 3072, M = 64 on 2 threads; int8 7.9 vs 7.5 ms), presumably because the
         ``[M, 2 I]`` output tile no longer fits the per-core L2.
         """
         from ais_lightning.quant import QuantLinear

@@ -30,7 +30,7 @@ register_configs()
 
 def _trainer(*overrides: str) -> TrainerSettings:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        # rollout=bf16: a GPU trainer refuses the default fbgemm int8 engine unless it is placed on the CPU
+        # rollout=bf16: a GPU trainer refuses the default integer-GEMM int8 engine unless it is placed on the CPU
         cfg = compose("train", overrides=["output_dir=/tmp/unused", "rollout=bf16", *overrides])
     return validate(cfg).trainer
 

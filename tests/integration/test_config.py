@@ -105,7 +105,7 @@ def test_every_option_of_the_remaining_groups_composes(group):
             continue
         extra = ["corrector=none"] if (group, name) in (("loss", "bypass"), ("loss", "tbpo")) else []
         if (group, name) == ("trainer", "fsdp_gpu"):
-            extra = ["rollout=bf16"]  # the default fbgemm int8 engine runs on CPU only
+            extra = ["rollout=bf16"]  # the default int8 engine (integer GEMM) runs on CPU only
         if (group == "rollout" and name.startswith("llada")) or (group, name) == ("policy", "tiny_llada"):
             extra = ["policy=tiny_llada", "rollout=llada_fp32", f"{group}={name}"]  # one model family
         validate(make(f"{group}={name}", *extra))
@@ -202,6 +202,14 @@ def test_qarl_sets_the_aligned_forward_and_needs_a_quantized_rollout():
     assert c.policy.aligned_quantization == "fp8" and type(c.loss).__name__ == "TBPOLoss"
     with pytest.raises(ValueError, match="aligned_quantization"):
         validate(make("corrector=qarl", "rollout=fp32"))
+
+
+def test_an_aligned_forward_keeps_no_outlier_channel_in_the_engine():
+    """The aligned trainer quantizes every input channel, so the engine's default outlier channels go to 0."""
+    assert validate(make("rollout=fp8")).engine.keywords.get("outlier_fraction") is None  # 0.05 when built
+    assert validate(make("corrector=qarl", "rollout=fp8")).engine.keywords["outlier_fraction"] == 0.0
+    with pytest.raises(ValueError, match="rollout.outlier_fraction=0.05 keeps outlier channels"):
+        validate(make("corrector=qarl", "rollout=fp8", "rollout.outlier_fraction=0.05"))
 
 
 def test_bypass_mode_with_no_corrector_is_valid():

@@ -24,7 +24,7 @@ def _saved(name: str, root: Path) -> str:
 
 @pytest.mark.parametrize("name", ["granite", "gpt2"])
 def test_grpo_on_a_local_model_of_another_family(tmp_path: Path, name: str):
-    """Granite (scaled logits: the policy's transform, the engine's own forward) with fbgemm int8 rollouts;
+    """Granite (scaled logits: the policy's transform, the engine's own forward) with int8 rollouts on the integer GEMM;
     GPT-2 (Conv1D linears, which int8 cannot quantize) with fp32 rollouts."""
     rollout = "int8" if name == "granite" else "fp32"
     out = tmp_path / "run"

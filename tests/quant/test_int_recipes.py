@@ -174,7 +174,7 @@ def test_switch_recipe_in_place_keeps_the_masters():
 
 
 def test_switch_recipe_refuses_incompatible_backend_without_changing_anything():
-    model = quantize_model(_tiny_qwen3(), "int8", backend="int8")  # fbgemm layers
+    model = quantize_model(_tiny_qwen3(), "int8", backend="int8")  # integer-GEMM layers
     with pytest.raises(ValueError, match="backend 'int8'"):
         switch_recipe(model, "int4")
     assert all(m.recipe.name == "int8" for m in model.modules() if isinstance(m, QuantLinear))

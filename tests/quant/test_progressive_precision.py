@@ -169,7 +169,7 @@ def test_engine_switch_recalibrates_the_fp8_kv_scales(model):
 @pytest.mark.parametrize(
     "precision, backend, target, match",
     [
-        ("int8", None, "int4", "switches between emulated quantized precisions"),  # fbgemm engine
+        ("int8", None, "int4", "switches between emulated quantized precisions"),  # integer-GEMM engine
         ("fp32", None, "int4", "switches between emulated quantized precisions"),
         ("int4", None, "fp32", "switches between emulated quantized precisions"),
         ("int4", None, "int3", "precision must be one of"),

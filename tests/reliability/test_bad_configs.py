@@ -51,5 +51,5 @@ def test_sampling_config_rejects_a_nan_temperature():
 
 def test_an_int8_cpu_engine_beside_a_gpu_trainer_is_refused_unless_placed_on_the_cpu():
     with pytest.raises(ValueError, match=r"rollout\.device=cpu"):
-        validate(make("trainer.accelerator=gpu"))  # default rollout=int8 (fbgemm, CPU only)
+        validate(make("trainer.accelerator=gpu"))  # default rollout=int8 (integer GEMM, CPU only)
     validate(make("trainer.accelerator=gpu", "rollout.device=cpu"))

@@ -337,6 +337,11 @@ def test_sync_rejects_unknown_names_and_leaves_weights(model):
         ({"compact_below": 1.0}, "^compact_below must be in \\[0, 1\\)"),
         ({"compact_below": "0.5"}, "^compact_below must be a number"),
         ({"pad_token_id": -1}, "^pad_token_id must be None or an int >= 0"),
+        ({"precision": "int8", "outlier_fraction": 1.0}, "^outlier_fraction must be a number in \\[0, 1\\)"),
+        (
+            {"precision": "int4_ocs", "outlier_fraction": 0.05},
+            "^outlier_fraction=0.05 keeps outlier channels",
+        ),
     ],
 )
 def test_bad_config_raises(model, kwargs, match):
@@ -355,9 +360,12 @@ def test_check_args_fills_the_constructor_defaults_and_normalizes():
         "pad_token_id": None,
         "compact_below": 0.5,
         "model_impl": "auto",
+        "outlier_fraction": 0.0,  # nothing is quantized at fp32
     }
     args = TorchRolloutEngine.check_args(precision="fp4", kv_cache_dtype="auto")
-    assert (args["backend"], args["kv_cache_dtype"]) == ("emulate", None)
+    assert (args["backend"], args["kv_cache_dtype"], args["outlier_fraction"]) == ("emulate", None, 0.0)
+    assert TorchRolloutEngine.check_args(precision="int8")["outlier_fraction"] == 0.05
+    assert TorchRolloutEngine.check_args(precision="fp8", outlier_fraction=0)["outlier_fraction"] == 0.0
     assert TorchRolloutEngine.check_args(precision="int8")["backend"] == "int8"
     with pytest.raises(ValueError, match="^max_model_len: not an argument of TorchRolloutEngine.*it accepts"):
         TorchRolloutEngine.check_args(max_model_len=64)
@@ -379,3 +387,93 @@ def test_bad_prompts_raise(model):
     for prompts in ([], [[]], [[1, 2, 10_000]], [[-1]]):
         with pytest.raises(ValueError, match="prompts"):
             engine.generate(prompts, SamplingConfig())
+
+
+def _input_ranges(model, prompts):
+    """Per linear module name, ``max |x|`` per input channel over every real token of ``prompts`` (each run
+    alone, unpadded, through the model's own fp32 forward): what the engine's calibration pass should see."""
+    ranges, hooks = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+
+            def hook(_, args, name=name):
+                amax = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0)
+                ranges[name] = torch.maximum(ranges[name], amax) if name in ranges else amax
+
+            hooks.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        for p in prompts:
+            model(input_ids=torch.tensor([p]))
+    for h in hooks:
+        h.remove()
+    return ranges
+
+
+def test_outlier_channels_are_calibrated_on_the_first_prompts_unquantized(model):
+    from ais_lightning.quant import largest_channels, outlier_count
+
+    engine = TorchRolloutEngine(model, precision="int8")
+    assert engine.outlier_fraction == 0.05 and not engine.outliers.calibrated
+    assert all(layer.outlier_channels is None for layer in engine.quantized)
+    engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=4, seed=0))
+    ranges = _input_ranges(model, PROMPTS)
+    k = outlier_count(model.config.hidden_size, 0.05)  # ceil(0.05 * 128) = 7
+    for i, layer in enumerate(engine.model.model.layers):
+        qkv = engine.lean.qkv[i] if engine.lean.qkv[i] is not None else layer.self_attn.q_proj
+        assert (
+            qkv.outlier_channels.tolist()
+            == largest_channels(ranges[f"model.layers.{i}.self_attn.q_proj"], k).tolist()
+        )
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            module = layer.get_submodule(name)
+            want = largest_channels(
+                ranges[f"model.layers.{i}.{name}"], outlier_count(module.in_features, 0.05)
+            )
+            assert module.outlier_channels.tolist() == want.tolist(), name
+    assert engine.outliers.calibrated
+    assert all(
+        m.outlier_channels is None
+        for m in TorchRolloutEngine(model, precision="int8", outlier_fraction=0).quantized
+    )
+
+
+def test_outlier_channels_recover_an_injected_outlier_feature(model):
+    """A function-preserving outlier feature, as real LLMs have: one channel of every input norm's weight x 200
+    and the q/k/v and gate/up columns it feeds / 200. fp32 is unchanged; per-token int8 loses every other channel
+    of the token to the outlier's step, and keeping 5% of the channels in fp32 gives the precision back."""
+    outlier = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in outlier.model.layers:
+            for norm, linears in (
+                (
+                    layer.input_layernorm,
+                    [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                ),
+                (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+            ):
+                norm.weight[17] *= 200.0
+                for linear in linears:
+                    linear.weight[:, 17] /= 200.0
+    prompts = [[i, i + 1, i + 2] for i in range(3, 60, 4)]
+    sampling = SamplingConfig(n=4, max_new_tokens=16, seed=0)
+    assert _k3(outlier, TorchRolloutEngine(outlier).generate(prompts, sampling)) < 1e-9  # fp32: same function
+    plain = _k3(
+        outlier, TorchRolloutEngine(outlier, precision="int8", outlier_fraction=0).generate(prompts, sampling)
+    )
+    kept = _k3(outlier, TorchRolloutEngine(outlier, precision="int8").generate(prompts, sampling))
+    baseline = _k3(
+        model, TorchRolloutEngine(model, precision="int8", outlier_fraction=0).generate(prompts, sampling)
+    )
+    assert plain > 20 * baseline, (plain, baseline)  # the outlier broke per-token int8
+    assert kept < 2 * baseline, (kept, baseline)  # and the kept channel repairs it
+
+
+def test_set_precision_recalibrates_outlier_channels_at_the_new_precision(model):
+    engine = TorchRolloutEngine(model, precision="fp8", backend="emulate")
+    engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2, seed=0))
+    assert all(m.outlier_channels is not None for m in engine.quantized)
+    engine.set_precision("int4")  # default 0 at int4 (and int4_ocs splits outliers itself)
+    assert engine.outlier_fraction == 0 and engine.outliers is None
+    assert all(m.outlier_channels is None for m in engine.quantized)
+    engine.set_precision("fp8")
+    assert engine.outlier_fraction == 0.05 and not engine.outliers.calibrated

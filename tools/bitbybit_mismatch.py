@@ -7,7 +7,7 @@
    directory (``save_tiny_model``) plus ``warmstart.json``; ``ais-train policy=local policy.path=DIR
    warmstart=disabled`` then trains from exactly these weights. ``--load DIR`` skips the SFT.
 2. **Per rollout precision** (``--precisions``; ``TorchRolloutEngine`` with its default backend: int8 =
-   fbgemm W8A8, everything else emulated): greedy accuracy on ``--eval-prompts`` held-out prompts; then
+   the integer W8A8 GEMM, everything else emulated): greedy accuracy on ``--eval-prompts`` held-out prompts; then
    ``--samples`` samples per held-out prompt (``SamplingConfig(n, temperature, max_new_tokens)``, one seed
    for all precisions), the engine's log mu of each sampled token, log pi of the fp32 policy on the same
    tokens (``Policy.batch_logprobs``) and the mismatch ``MismatchKL("k3")`` (token mean, as logged in
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,9 @@ from typing import Any
 import torch
 
 from ais_lightning.quant import NESTED_INT_RECIPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_mismatch import clustered_kl  # noqa: E402  (the tools share the clustered KL)
 
 PRECISIONS = ("fp32", "fp8", "fp4", "int8", *NESTED_INT_RECIPES)
 """Default rollout precisions: the fp32 engine (should give ~0), the existing recipes, the Bit-by-Bit ones."""
@@ -46,34 +48,6 @@ def rewards_of(task, samples, batch, tokenizer) -> list[float]:
     from ais_lightning.tasks import batch_rewards
 
     return batch_rewards(task, samples, batch, tokenizer)[0]
-
-
-def clustered_kl(
-    pi: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, prompt_index: torch.Tensor
-) -> tuple[float, float]:
-    """Token-mean k3 KL and its standard error with the tokens of one prompt as one cluster.
-
-    ``pi``, ``mu``: ``[B, T]`` log-probs; ``mask``: ``[B, T]`` bool; ``prompt_index``: ``[B]`` prompt of each row.
-    The mean equals ``MismatchKL("k3")`` (same clamp of the log-ratio). With ``s_p`` the k3 sum and ``n_p`` the
-    token count of prompt ``p`` (of ``P`` prompts with tokens): ``KL = sum s_p / sum n_p`` and
-    ``s.e. = sqrt(P / (P - 1) * sum_p (s_p - KL n_p)^2) / sum_p n_p`` (the ratio estimator's linearised s.e.).
-    """
-    from ais_lightning.ops import log_ratio
-
-    delta = log_ratio(pi, mu, mask).double()  # [B, T], 0 where masked
-    k3 = torch.where(mask, (torch.expm1(delta) - delta).clamp(min=0.0), torch.zeros_like(delta))
-    prompts = int(prompt_index.max()) + 1
-    s = torch.zeros(prompts, dtype=torch.float64).index_add_(0, prompt_index, k3.sum(-1))  # [P]
-    n = torch.zeros(prompts, dtype=torch.float64).index_add_(0, prompt_index, mask.sum(-1).double())  # [P]
-    keep = n > 0
-    s, n = s[keep], n[keep]
-    total = float(n.sum())
-    if total == 0:
-        return 0.0, float("nan")
-    kl = float(s.sum()) / total
-    p = int(keep.sum())
-    se = math.sqrt(p / max(p - 1, 1) * float(((s - kl * n) ** 2).sum())) / total
-    return kl, se
 
 
 def warm_start(args: argparse.Namespace):

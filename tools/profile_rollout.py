@@ -6,17 +6,29 @@ one of full length. An operator's decode cost per step is its time in the full c
 in the prefill-only call, divided by the extra steps. Self time is used (an operator's own time,
 without the operators it calls), so the rows add up to the total.
 
-The profiler adds overhead to every operator call, which weighs most on the many small ones; read
-the shares and the large rows, and take speed from ``tools/bench_rollout.py``.
+``--functions`` adds the same per-step table by *function of the engine*: two more profiled calls with
+Python stacks (``with_stack=True``), each operator's self time (and each function's own Python time)
+charged to the chain of ``ais_lightning`` functions it ran under, below the sampling loop of
+``torch_engine`` (only chains entered at every decode step: the prefill's are left out; e.g. ``decoders.step > torch_model.decode_layer > torch_model.mlp_residual``,
+``decoders.step > torch_model.logits``: the final norm and the LM head, ``sampling.sample_next >
+sampling.sampling_logprobs``: the log-softmax over the vocabulary). It is shown rolled up to the first
+two functions of each chain, and in full.
+
+The profiler adds overhead to every operator call, which weighs most on the many small ones (the Python
+stacks add more); read the shares and the large rows, and take speed from ``tools/bench_rollout.py``. The
+unprofiled decode ms/step of the same engine (the same two calls timed without the profiler) is reported
+beside the profiled one.
 
     python tools/profile_rollout.py --config gemm --precision int8 --threads 2
     python tools/profile_rollout.py --config gemm --precision int8 --model-impl transformers   # the model's forward
+    python tools/profile_rollout.py --config smollm2 --precision fp32 --threads 2 --functions
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,10 +41,60 @@ import bench_rollout  # noqa: E402  (a sibling script: same configs, model and p
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine  # noqa: E402
 from ais_lightning.rollout.torch_engine import MODEL_IMPLS, PRECISIONS  # noqa: E402
 
+_FRAME = re.compile(r"ais_lightning/(?:[\w/]*/)?(\w+)\.py\(\d+\): (.+)$")
+"""A Python-function event of ``ais_lightning``: ``.../ais_lightning/rollout/torch_model.py(367): decode_layer``."""
+LOOP_MODULE = "torch_engine"
+"""The module of the sampling loop: only what runs under it is charged, to the functions below it."""
+LOOP_KEY = "torch_engine (the sampling loop itself)"
+
 
 def operator_times(prof) -> dict[str, tuple[float, int]]:
     """``{operator: (self CPU ms, calls)}`` of a finished ``torch.profiler.profile``."""
     return {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
+
+
+def function_times(prof) -> dict[str, tuple[float, int]]:
+    """``{call chain: (self CPU ms, calls)}`` of a profile recorded with ``with_stack=True``.
+
+    Every event's self time (operators, and the Python functions' own time) is charged to the chain of
+    ``ais_lightning`` functions above it, from the outermost one below the sampling loop (module
+    :data:`LOOP_MODULE`) to the innermost, e.g. ``decoders.step > torch_model.logits``; functions of other
+    packages (torch, transformers) are transparent. ``calls``: how often the chain's last function was
+    entered. Events outside the sampling loop (the profiler's own) are left out.
+    """
+    out: dict[str, tuple[float, int]] = {}
+    for event in prof.events():
+        frames, inside, node = [], False, event
+        while node is not None:
+            match = _FRAME.search(node.name)
+            if match is not None:
+                module, func = match.groups()
+                if module == LOOP_MODULE:
+                    inside = True
+                    break
+                frames.append(f"{module}.{func}")
+            node = node.cpu_parent
+        if not inside:
+            continue
+        key = " > ".join(reversed(frames)) or LOOP_KEY
+        entered = int(_FRAME.search(event.name) is not None and bool(frames))
+        ms, calls = out.get(key, (0.0, 0))
+        out[key] = (ms + event.self_cpu_time_total / 1e3, calls + entered)
+    return out
+
+
+def rollup(rows: list[tuple[str, float, float]], depth: int) -> list[tuple[str, float, float]]:
+    """Decode rows of call chains summed over their first ``depth`` functions, most expensive first
+    (``calls``: those of the chains that end at that depth)."""
+    merged: dict[str, list[float]] = {}
+    for chain, ms, calls in rows:
+        parts = chain.split(" > ")
+        key = " > ".join(parts[:depth])
+        entry = merged.setdefault(key, [0.0, 0.0])
+        entry[0] += ms
+        if len(parts) <= depth:
+            entry[1] += calls
+    return sorted(((k, ms, calls) for k, (ms, calls) in merged.items()), key=lambda r: r[1], reverse=True)
 
 
 def decode_step_costs(
@@ -52,16 +114,68 @@ def decode_step_costs(
     return sorted(rows, key=lambda r: r[1], reverse=True)
 
 
-def _profiled(engine: TorchRolloutEngine, prompts: list[list[int]], new: int) -> dict[str, tuple[float, int]]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
-    return operator_times(prof)
+def _generate(engine: TorchRolloutEngine, prompts: list[list[int]], samples: int, new: int) -> None:
+    engine.generate(prompts, SamplingConfig(n=samples, max_new_tokens=new, seed=0))
+
+
+def _profiled(engine, prompts, samples, new, stacks: bool = False) -> dict[str, tuple[float, int]]:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=stacks) as prof:
+        _generate(engine, prompts, samples, new)
+    return function_times(prof) if stacks else operator_times(prof)
+
+
+def profile_engine(
+    engine: TorchRolloutEngine, prompts: list[list[int]], samples: int, new: int, functions: bool = False
+) -> dict:
+    """Per-step decode costs of ``engine`` on ``prompts`` x ``samples`` rows (per operator; per function too
+    with ``functions``), and the unprofiled decode ms/step of the same two calls. ``new`` >= 2."""
+    if new < 2:
+        raise ValueError(f"new must be >= 2 (one prefill-only call is subtracted), got {new}")
+    _generate(engine, prompts, samples, new)  # warm-up at full length
+    short = bench_rollout.timed(lambda: _generate(engine, prompts, samples, 1))
+    full_s = bench_rollout.timed(lambda: _generate(engine, prompts, samples, new))
+    prefill = _profiled(engine, prompts, samples, 1)
+    full = _profiled(engine, prompts, samples, new)
+    decode = decode_step_costs(prefill, full, new - 1)
+    result = {
+        "model_impl": engine.model_impl,
+        "threads": torch.get_num_threads(),
+        "new_tokens": new,
+        "unprofiled_decode_ms_per_step": 1000 * (full_s - short) / (new - 1),
+        "prefill_ms": sum(ms for ms, _ in prefill.values()),
+        "decode_ms_per_step": sum(ms for _, ms, _ in decode),
+        "decode": decode,
+        "prefill": sorted(((k, ms) for k, (ms, _) in prefill.items()), key=lambda r: r[1], reverse=True),
+    }
+    if functions:
+        prefill_f = _profiled(engine, prompts, samples, 1, stacks=True)
+        full_f = _profiled(engine, prompts, samples, new, stacks=True)
+        # chains entered as often in the prefill-only call as in the full one belong to the prefill: dropped
+        costs = decode_step_costs(prefill_f, full_f, new - 1)
+        by_function = [row for row in costs if row[2] > 0 or row[0] == LOOP_KEY]
+        result["decode_functions"] = by_function
+        result["decode_functions_ms_per_step"] = sum(ms for _, ms, _ in by_function)
+    return result
+
+
+def _function_table(rows: list[tuple[str, float, float]], total: float, top: int, title: str) -> list[str]:
+    lines = [f"| {title} | ms/step | share | calls/step |", "| --- | ---: | ---: | ---: |"]
+    shown = rows[:top]
+    for name, ms, calls in shown:
+        lines.append(f"| {name} | {ms:.2f} | {100 * ms / total:.1f}% | {calls:.1f} |")
+    rest = total - sum(ms for _, ms, _ in shown)
+    if len(rows) > len(shown):
+        lines.append(f"| (all other) | {rest:.2f} | {100 * rest / total:.1f}% | |")
+    return lines
 
 
 def markdown(result: dict, top: int) -> str:
+    batch = f", batch {result['batch']}" if "batch" in result else ""
+    prefix = f"config {result['config']}, " if "config" in result else ""
     lines = [
-        f"config {result['config']}, precision {result['precision']}, {result['threads']} threads: "
-        f"prefill {result['prefill_ms']:.0f} ms, decode {result['decode_ms_per_step']:.1f} ms/step (profiled)",
+        f"{prefix}precision {result['precision']}{batch}, {result['threads']} threads: "
+        f"prefill {result['prefill_ms']:.0f} ms, decode {result['decode_ms_per_step']:.1f} ms/step profiled "
+        f"({result['unprofiled_decode_ms_per_step']:.1f} unprofiled)",
         "",
         "| decode operator | ms/step | share | calls/step |",
         "| --- | ---: | ---: | ---: |",
@@ -72,6 +186,16 @@ def markdown(result: dict, top: int) -> str:
         lines.append(f"| {name} | {ms:.2f} | {100 * ms / total:.1f}% | {calls:.1f} |")
     rest = total - sum(ms for _, ms, _ in shown)
     lines.append(f"| (all other operators) | {rest:.2f} | {100 * rest / total:.1f}% | |")
+    if "decode_functions" in result:
+        rows, f_total = result["decode_functions"], result["decode_functions_ms_per_step"]
+        lines += [
+            "",
+            f"decode step by function (profiled with Python stacks: {f_total:.1f} ms/step)",
+            "",
+            *_function_table(rollup(rows, 2), f_total, top, "function (first two levels)"),
+            "",
+            *_function_table(rows, f_total, top, "function (full call chain)"),
+        ]
     lines += ["", "| prefill operator | ms | share |", "| --- | ---: | ---: |"]
     for name, ms in result["prefill"][:top]:
         lines.append(f"| {name} | {ms:.1f} | {100 * ms / result['prefill_ms']:.1f}% |")
@@ -86,11 +210,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--new-tokens", type=int, default=None, help="override the config's new tokens (>= 2)"
     )
+    parser.add_argument("--batch", type=int, default=None, help="rows (default: the config's largest batch)")
     parser.add_argument(
         "--model-impl",
         choices=MODEL_IMPLS,
         default="auto",
         help="the engine's forward (transformers: the model's own)",
+    )
+    parser.add_argument(
+        "--functions", action="store_true", help="also break the decode step down by function"
     )
     parser.add_argument("--top", type=int, default=15, help="operators listed per table")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
@@ -103,23 +231,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    model = bench_rollout.build_model(cfg)
-    prompts = bench_rollout.make_prompts(cfg, model.config.vocab_size)
-    engine = TorchRolloutEngine(model, precision=args.precision, model_impl=args.model_impl)
-    engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))  # warm-up at full length
-    prefill = _profiled(engine, prompts, 1)
-    full = _profiled(engine, prompts, new)
-    decode = decode_step_costs(prefill, full, new - 1)
+    source = bench_rollout.load_source(cfg)
+    batch = args.batch or max(cfg.batches)
+    prompts = bench_rollout.make_prompts(cfg, batch, source)
+    engine = TorchRolloutEngine(source.model, precision=args.precision, model_impl=args.model_impl)
     result = {
         "config": args.config,
         "precision": args.precision,
-        "model_impl": engine.model_impl,
-        "threads": torch.get_num_threads(),
-        "new_tokens": new,
-        "prefill_ms": sum(ms for ms, _ in prefill.values()),
-        "decode_ms_per_step": sum(ms for _, ms, _ in decode),
-        "decode": decode,
-        "prefill": sorted(((k, ms) for k, (ms, _) in prefill.items()), key=lambda r: r[1], reverse=True),
+        "batch": batch,
+        **profile_engine(engine, prompts, cfg.samples, new, functions=args.functions),
     }
     if args.out:
         with open(args.out, "w") as f:

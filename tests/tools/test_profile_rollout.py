@@ -38,3 +38,27 @@ def test_the_model_forward_can_be_profiled(tmp_path):
     )
     assert result["model_impl"] == "transformers"
     assert result["decode_ms_per_step"] == pytest.approx(sum(ms for _, ms, _ in result["decode"]))
+
+
+def test_rollup_sums_call_chains_over_their_first_functions():
+    tool = load_tool("profile_rollout")
+    rows = [("a > b", 3.0, 2.0), ("a", 1.0, 1.0), ("a > c > d", 2.0, 4.0), ("e", 0.5, 1.0)]
+    assert tool.rollup(rows, 1) == [("a", 6.0, 1.0), ("e", 0.5, 1.0)]
+    assert tool.rollup(rows, 2) == [
+        ("a > b", 3.0, 2.0),
+        ("a > c", 2.0, 0.0),
+        ("a", 1.0, 1.0),
+        ("e", 0.5, 1.0),
+    ]
+
+
+def test_decode_step_by_function(tmp_path):
+    tool = load_tool("profile_rollout")
+    result = tool.main(
+        ["--config", "tiny", "--precision", "fp32", "--new-tokens", "3", "--batch", "4", "--functions"]
+    )
+    rows = result["decode_functions"]
+    assert result["decode_functions_ms_per_step"] == pytest.approx(sum(ms for _, ms, _ in rows))
+    # only chains entered at every decode step: the prefill's are left out
+    assert all(calls > 0 or name == tool.LOOP_KEY for name, _, calls in rows)
+    assert "decode step by function" in tool.markdown(result, 5)

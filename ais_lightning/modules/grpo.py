@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -84,6 +85,10 @@ class GRPOSettings:
     """Validation period in rollout steps."""
     val_size: int = 256
     """Held-out prompts for greedy validation accuracy."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch (one greedy generation per engine each); None = ``prompts_per_step``.
+    Validation decodes one row per prompt, a rollout ``prompts_per_step * group_size`` rows: up to that many
+    prompts per batch fit in the rollout's memory and run a real model's decode GEMMs several times faster."""
     max_bad_steps: int = 5
     """Abort after this many consecutive rollout steps with non-finite log-probs, losses or gradients."""
     constant_reward_steps: int = 10
@@ -95,6 +100,8 @@ class GRPOSettings:
         for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "val_every_n_steps"):
             check_int(getattr(self, name), name)
         check_int(self.val_size, "val_size")
+        if self.val_batch_size is not None:
+            check_int(self.val_batch_size, "val_batch_size")
         check_int(self.max_bad_steps, "max_bad_steps")
         check_int(self.constant_reward_steps, "constant_reward_steps", minimum=0)
         check_int(self.group_size, "group_size", minimum=2)
@@ -269,11 +276,24 @@ class GRPOModule(LightningModule):
         )
 
     def on_train_start(self) -> None:
-        """Build the engines once the weights (possibly restored from a checkpoint) are in place."""
+        """Build the engines once the weights (possibly restored from a checkpoint) are in place.
+
+        Engines built earlier in this process (by a validation before ``fit``) are given the current weights
+        instead of being built again. When the trainer-precision engine would be built exactly as the
+        rollout engine (an fp32 rollout), the rollout engine serves both: one copy of the model, not two.
+        """
         state = self._full_state()
-        self.engine = self._build_engine(self.engine_factory, state)
+        if self.engine is None:
+            self.engine = self._build_engine(self.engine_factory, state)
+        else:
+            self.engine.sync_weights(state)
         if self.eval_engine_factory is not None:
-            self.eval_engine = self._build_engine(self.eval_engine_factory, state)
+            if same_engine(self.eval_engine_factory, self.engine_factory):
+                self.eval_engine = self.engine
+            elif self.eval_engine is None:
+                self.eval_engine = self._build_engine(self.eval_engine_factory, state)
+            else:
+                self.eval_engine.sync_weights(state)
         self.apply_precision_schedule()  # a resumed run lands in the stage of its step
 
     def apply_precision_schedule(self, step: int | None = None) -> dict[str, float]:
@@ -305,9 +325,12 @@ class GRPOModule(LightningModule):
         }
 
     def _build_engine(self, factory: EngineFactory, state: list[tuple[str, torch.Tensor]]) -> RolloutEngine:
-        fresh = self.policy.fresh_model().to(self.device)  # unsharded model of the same config
-        engine = factory(fresh)
-        engine.sync_weights(state)
+        # Outside inference mode even when a validation builds it (Lightning validates under inference mode):
+        # the engine outlives that validation, and later syncs write its weights in place.
+        with torch.inference_mode(False):
+            fresh = self.policy.fresh_model().to(self.device)  # unsharded model of the same config
+            engine = factory(fresh)
+            engine.sync_weights(state)
         return engine
 
     # ---------------------------------------------------------------- rollout
@@ -364,7 +387,9 @@ class GRPOModule(LightningModule):
         mask = batch.response_mask  # [B, T]
         t1 = time.perf_counter()
         with torch.set_grad_enabled(keep_graph):
-            pi_old = self.policy.batch_logprobs(batch, self.sampling.temperature, compute_entropy=True)
+            pi_old = self.policy.batch_logprobs(
+                batch, self.sampling.temperature, compute_entropy=True, entropy_grad=self._loss_needs_entropy
+            )
         logprob_time = time.perf_counter() - t1
         # [B, T] each, values only: the corrector and the metrics never differentiate them
         train_lp, entropy, impurity = (t.detach() for t in (pi_old.logprobs, pi_old.entropy, pi_old.impurity))
@@ -452,6 +477,7 @@ class GRPOModule(LightningModule):
                     self._empty_step(opt)
                     continue
                 opt.step()
+                opt.zero_grad(set_to_none=True)  # the gradients' memory is free until the next backward
                 n_updates += 1
                 sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(grad_norm)
                 for k, v in out.stats.items():
@@ -460,9 +486,14 @@ class GRPOModule(LightningModule):
         stats["train/skipped_updates"] = float(skipped)
         return stats
 
+    @property
+    def _loss_needs_entropy(self) -> bool:
+        """Whether the loss differentiates the entropy (an entropy bonus)."""
+        return bool(getattr(self.loss_fn, "needs_entropy", False))
+
     def _loss(self, part: Experience) -> Any:
         """The loss of one mini-batch: every loss gets the same inputs and uses what it needs."""
-        compute_entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
+        compute_entropy = self._loss_needs_entropy
         current = part.current
         if current is None:
             current = self.policy.batch_logprobs(part.rollout, self.sampling.temperature, compute_entropy)
@@ -489,8 +520,9 @@ class GRPOModule(LightningModule):
         return model if isinstance(model, FullyShardedDataParallel) else None
 
     def _full_state(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's full weights and buffers for the engines (gathered out of FSDP1 or FSDP2)."""
-        return self.policy.full_state_dict(fsdp_root=self._fsdp1_root())
+        """The policy's full weights and buffers for the engines (gathered out of FSDP1 or FSDP2); no snapshot
+        copy: every engine's ``sync_weights`` copies them into its own model at once."""
+        return self.policy.full_state_dict(fsdp_root=self._fsdp1_root(), snapshot=False)
 
     def _grad_norm(self) -> torch.Tensor:
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
@@ -668,11 +700,14 @@ class GRPOModule(LightningModule):
             stop_token_ids=self.sampling.stop_token_ids,
         )
         engines = {"engine": self.engine, "trainer": self.eval_engine}
+        done: dict[int, tuple[RolloutBatch, torch.Tensor]] = {}  # an engine serving both names runs once
         for name, engine in engines.items():
             if engine is None:
                 continue
-            out = ops.to_device(engine.generate(self.encode_prompts(prompts), greedy), self.device)
-            rewards, _ = self.score(out, prompts, fields)
+            if id(engine) not in done:
+                out = ops.to_device(engine.generate(self.encode_prompts(prompts), greedy), self.device)
+                done[id(engine)] = out, self.score(out, prompts, fields)[0]
+            out, rewards = done[id(engine)]
             tally = self._val_tally.setdefault(name, [0.0, 0.0])
             tally[0] += float((rewards >= 1.0 - 1e-6).sum())
             tally[1] += float(rewards.numel())
@@ -720,3 +755,21 @@ class GRPOModule(LightningModule):
 def _clip(text: str, limit: int = 160) -> str:
     """``repr`` of ``text``, cut to ``limit`` characters (for log messages)."""
     return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def same_engine(a: EngineFactory, b: EngineFactory) -> bool:
+    """Whether two engine factories build the same engine: the same object, or ``functools.partial`` of one
+    engine class with the same arguments (compared after the class's ``check_args`` fills in its defaults)."""
+    if a is b:
+        return True
+    if not (isinstance(a, functools.partial) and isinstance(b, functools.partial)):
+        return False
+    if a.func is not b.func or a.args or b.args:
+        return False
+    check = getattr(a.func, "check_args", None)
+    if check is None:
+        return a.keywords == b.keywords
+    try:
+        return check(**a.keywords) == check(**b.keywords)
+    except (TypeError, ValueError):
+        return False

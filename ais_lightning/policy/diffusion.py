@@ -219,14 +219,16 @@ def _score_positions(
     temperature: float,
     compute_entropy: bool,
     chunk_size: int,
+    entropy_grad: bool = True,
 ) -> LogprobTensors:
     """Body once over ``input_ids`` ``[N, L]``, then the chunked head on the ``score_mask`` positions:
     ``(logprobs, entropy | None, impurity | None)``, ``[N, L]`` each, of ``targets`` under
     ``softmax(logits / temperature)``."""
     hidden = model.get_decoder()(input_ids, attention_mask, position_ids)  # [N, L, H]
     out = chunked_response_logprobs(
-        model.get_output_embeddings(), hidden, targets, score_mask, temperature, compute_entropy, chunk_size
-    )
+        model.get_output_embeddings(), hidden, targets, score_mask, temperature, compute_entropy, chunk_size,
+        entropy_grad=entropy_grad,
+    )  # fmt: skip
     return out.logprobs, out.entropy, out.impurity
 
 
@@ -354,6 +356,7 @@ class DiffusionPolicy(Policy):
         temperature: float = 1.0,
         compute_entropy: bool = False,
         chunk_size: int = 1024,
+        entropy_grad: bool = True,
     ) -> LogprobTensors:
         """Log-probs (and entropies, impurities) of ``targets`` at the ``score_mask`` positions of the partially
         masked sequences ``input_ids`` ``[N, L]``: ``([N, L], [N, L] | None, [N, L] | None)``, 0 elsewhere. Plain tensors, so FSDP
@@ -367,6 +370,7 @@ class DiffusionPolicy(Policy):
             temperature,
             compute_entropy,
             chunk_size,
+            entropy_grad,
         )
 
     def response_logprobs(self, *args: Any, **kwargs: Any) -> ResponseLogprobs:
@@ -377,14 +381,19 @@ class DiffusionPolicy(Policy):
         )
 
     def batch_logprobs(
-        self, batch: RolloutBatch, temperature: float = 1.0, compute_entropy: bool = False
+        self,
+        batch: RolloutBatch,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> ResponseLogprobs:
         """Log pi of each response token on the sampler's path (see the module docstring), ``[B, T]`` float32.
 
         Needs ``batch.extras["unmask_step"]`` and ``batch.extras["canvas_ids"]`` (recorded by
         :class:`ais_lightning.rollout.DiffusionRolloutEngine`). Token ``t`` is scored under
         ``softmax(f(x_{s_t}) / temperature)`` at its unmasking step ``s_t``; the entropy is that
-        distribution's. One body forward over the distinct (row, step) contexts; gradients flow when enabled.
+        distribution's. One body forward over the distinct (row, step) contexts; gradients flow when enabled
+        (to the entropies only with ``entropy_grad``, as in :meth:`Policy.batch_logprobs`).
         """
         extras = getattr(batch, "extras", None) or {}
         missing = [k for k in ("unmask_step", "canvas_ids") if k not in extras]
@@ -443,6 +452,7 @@ class DiffusionPolicy(Policy):
             temperature,
             compute_entropy,
             self.logprob_chunk_size,
+            entropy_grad,
         )
         index = torch.where(response_mask, which, 0)  # [B, T]
         col = torch.arange(t, device=canvas.device)[None, :] + plen  # [1, T]

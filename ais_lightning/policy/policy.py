@@ -66,7 +66,8 @@ class ResponseLogprobs:
     None unless ``compute_entropy=True``."""
     impurity: torch.Tensor | None = None
     """``[B, T]`` float32 collision impurity ``1 - sum_a pi(a)^2`` of the same distribution
-    (``ops.impurity_from_logprobs``); 0 where masked. None unless ``compute_entropy=True``."""
+    (``ops.impurity_from_logprobs``); 0 where masked. None unless ``compute_entropy=True``. Values only (no
+    gradient): correctors and metrics read it."""
 
 
 LogprobTensors = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
@@ -176,15 +177,27 @@ def _head_logprobs(
     tokens: torch.Tensor,
     temperature: float,
     compute_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] ->
-    log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``)."""
+    log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``).
+
+    The impurities are values only, and so are the entropies without ``entropy_grad``: autograd records
+    only what a loss differentiates. A checkpointed chunk recomputes in backward every tensor its forward
+    recorded, and the ones no backward consumes (the entropy's, ~5 ``[n, V]`` when the loss has no entropy
+    term) stay alive until the whole backward ends, chunk after chunk: the head's memory would grow with the
+    batch instead of being bounded by the chunk.
+    """
     logits = transform(lm_head(hidden))  # [n, V]
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
     if not compute_entropy:
         return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
-    logp = tempered_log_softmax(logits, temperature)  # [n, V], once for both
-    return logprobs, entropy_from_logprobs(logp), impurity_from_logprobs(logp)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        logp = tempered_log_softmax(logits, temperature)  # [n, V], once for both
+        entropy = entropy_from_logprobs(logp)
+    with torch.no_grad():
+        impurity = impurity_from_logprobs(logp)
+    return logprobs, entropy, impurity
 
 
 def chunked_response_logprobs(
@@ -196,6 +209,7 @@ def chunked_response_logprobs(
     compute_entropy: bool = False,
     chunk_size: int = 1024,
     transform: LogitTransform | None = None,
+    entropy_grad: bool = True,
 ) -> ResponseLogprobs:
     """Log-probs (and entropies) of response tokens from the decoder's final hidden states.
 
@@ -203,8 +217,12 @@ def chunked_response_logprobs(
     ``transform``: what the model's forward does to ``lm_head``'s logits
     (:func:`ais_lightning.models.head.logit_transform`; None = nothing).
     Only valid tokens are projected, ``chunk_size`` of them at a time; under autograd each chunk is
-    activation-checkpointed, so at most one ``[chunk_size, V]`` logits block is alive in forward *and*
-    backward (the memory bound of chunked cross-entropy, e.g. Liger-Kernel's fused linear CE).
+    activation-checkpointed, so only one chunk's ``[chunk_size, V]`` logits and what is computed from them
+    are alive at a time, in forward *and* backward (the memory bound of chunked cross-entropy, e.g.
+    Liger-Kernel's fused linear CE). The impurities never carry a gradient, the entropies only with
+    ``entropy_grad`` (False: values for metrics and correctors), so backward recomputes only what it
+    differentiates: with entropy gradients that no loss consumes, every chunk's entropy tensors would stay
+    alive to the end of backward (2.8 GB for 2048 tokens of a 49k vocabulary, instead of 1.0 GB).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -228,11 +246,14 @@ def chunked_response_logprobs(
                     tok,
                     temperature,
                     compute_entropy,
+                    entropy_grad,
                     use_reentrant=False,
                 )
             )
         else:
-            chunks.append(_head_logprobs(lm_head, transform, h, tok, temperature, compute_entropy))
+            chunks.append(
+                _head_logprobs(lm_head, transform, h, tok, temperature, compute_entropy, entropy_grad)
+            )
     zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
     columns = list(zip(*chunks)) if compute_entropy else [[c[0] for c in chunks]]  # the ones computed
     per_token = [zeros.masked_scatter(response_mask, torch.cat(parts)) for parts in columns]  # [B, T] each
@@ -253,9 +274,25 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def _cpu_snapshot(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.clone() if t.device.type == "cpu" else t.cpu()
+def _cpu_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], snapshot: bool = True
+) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with every tensor detached and on the CPU, each distinct tensor copied once.
+
+    ``snapshot``: CPU tensors are cloned (they never alias the originals); False: a CPU tensor is passed as
+    is (no copy; only for a consumer that copies it at once). Names sharing one tensor (a tied
+    ``lm_head.weight`` and ``embed_tokens.weight``) share one copy, as the originals share one storage.
+    """
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    out = []
+    for name, t in named:
+        t = t.detach()
+        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        if key not in copies:
+            on_cpu = t.device.type == "cpu"
+            copies[key] = t.cpu() if not on_cpu else (t.clone() if snapshot else t)
+        out.append((name, copies[key]))
+    return out
 
 
 def _fsdp1_modules(module: nn.Module) -> list[nn.Module]:
@@ -296,13 +333,14 @@ def _decoder_logprobs(
     temperature: float,
     compute_entropy: bool,
     chunk_size: int,
+    entropy_grad: bool = True,
 ) -> LogprobTensors:
     """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
     P = input_ids.shape[1] - response_ids.shape[1]
     hidden = decoder_hidden_states(model, input_ids, attention_mask, position_ids)  # [B, P+T, H]
     result = chunked_response_logprobs(
         model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
-        temperature, compute_entropy, chunk_size, transform,
+        temperature, compute_entropy, chunk_size, transform, entropy_grad,
     )  # fmt: skip
     return result.logprobs, result.entropy, result.impurity
 
@@ -546,6 +584,7 @@ class Policy(nn.Module):
         temperature: float = 1.0,
         compute_entropy: bool = False,
         chunk_size: int = 1024,
+        entropy_grad: bool = True,
     ) -> LogprobTensors:
         """``(logprobs, entropy, impurity)`` as plain tensors (so FSDP/DDP hooks see them; the last two None
         unless ``compute_entropy``); see :meth:`response_logprobs`."""
@@ -554,7 +593,7 @@ class Policy(nn.Module):
         )
         return self._logprobs_fn()(
             input_ids, attention_mask, position_ids, response_ids, response_mask,
-            temperature, compute_entropy, chunk_size,
+            temperature, compute_entropy, chunk_size, entropy_grad,
         )  # fmt: skip
 
     def response_logprobs(
@@ -566,17 +605,20 @@ class Policy(nn.Module):
         temperature: float = 1.0,
         compute_entropy: bool = False,
         chunk_size: int = 1024,
+        entropy_grad: bool = True,
     ) -> ResponseLogprobs:
         """Log-prob of each response token under ``softmax(logits / temperature)``.
 
         prompt_ids/prompt_mask ``[B, P]`` left-padded; response_ids/response_mask ``[B, T]`` right-padded.
         The decoder body runs once; ``lm_head`` + log-softmax run on ``chunk_size`` valid tokens at a time,
         so the ``[B, T, V]`` logits never fully exist. Gradients flow to the model (use ``torch.no_grad()``
-        for pi_old).
+        for pi_old); to the entropies only with ``entropy_grad`` (False: values only, and a lighter backward;
+        the log-probs and their gradients are the same either way), never to the impurities.
         """
         logprobs, entropy, impurity = self(
-            prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size
-        )
+            prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size,
+            entropy_grad,
+        )  # fmt: skip
         return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
@@ -587,11 +629,16 @@ class Policy(nn.Module):
         return encode_prompts(self.tokenizer, prompts, self.chat_template)
 
     def batch_logprobs(
-        self, batch: RolloutBatch, temperature: float = 1.0, compute_entropy: bool = False
+        self,
+        batch: RolloutBatch,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> ResponseLogprobs:
         """Log-probs (and entropies) of a rollout batch's response tokens under this policy: pi for the
         importance ratio against the engine's mu. Every model family implements this one method; an
-        autoregressive LM scores each token given the prompt and the tokens before it."""
+        autoregressive LM scores each token given the prompt and the tokens before it. ``entropy_grad=False``:
+        the entropies are values only (see :meth:`response_logprobs`)."""
         return self.response_logprobs(
             *(
                 autograd_usable(t)
@@ -600,6 +647,7 @@ class Policy(nn.Module):
             temperature=temperature,
             compute_entropy=compute_entropy,
             chunk_size=self.logprob_chunk_size,
+            entropy_grad=entropy_grad,
         )
 
     def build_engine(self, precision: str = "fp32", **engine_kwargs: Any) -> Any:
@@ -624,7 +672,7 @@ class Policy(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(
-        self, rank0_only: bool = False, fsdp_root: nn.Module | None = None
+        self, rank0_only: bool = False, fsdp_root: nn.Module | None = None, snapshot: bool = True
     ) -> list[tuple[str, torch.Tensor]]:
         """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``.
 
@@ -634,7 +682,10 @@ class Policy(nn.Module):
         Sharded models are gathered with ``torch.distributed.checkpoint.state_dict.get_model_state_dict``;
         it is a collective, so call it on every rank. With ``rank0_only`` (``cpu_offload=True`` there: lower
         peak device memory) only rank 0 gets the tensors and other ranks get ``[]``; by default every rank
-        gets them. The tensors are snapshots: they never alias the live parameters.
+        gets them. The tensors are snapshots: they never alias the live parameters. ``snapshot=False`` skips
+        that copy for tensors already on the CPU (an unsharded CPU model's are then its live parameters and
+        buffers, detached): for a consumer that copies them at once, as every engine's ``sync_weights`` does.
+        Names that share a tensor (a tied ``lm_head.weight``) share one copy.
 
         FSDP2 (``fully_shard``, DTensor parameters) needs nothing more. FSDP1 (``FullyShardedDataParallel``
         units inside the model, e.g. Lightning's ``FSDPStrategy`` auto-wrapping the decoder layers) needs
@@ -660,14 +711,14 @@ class Policy(nn.Module):
                 return []
         else:
             state = model.state_dict()
-        named = [(name, _cpu_snapshot(t)) for name, t in state.items()]
+        named = list(state.items())
         seen = set(state)
         for name, buf in model.named_buffers():
             name = _clean_name(name)
             if name not in seen:
-                named.append((name, _cpu_snapshot(buf)))
+                named.append((name, buf))
                 seen.add(name)
-        return named
+        return _cpu_tensors(named, snapshot)
 
     def _fsdp1_state_dict(self, fsdp_root: nn.Module | None, rank0_only: bool) -> dict[str, torch.Tensor]:
         """The full state dict of ``self.model`` taken from its FSDP1 root (see :meth:`full_state_dict`)."""

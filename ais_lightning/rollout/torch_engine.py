@@ -92,7 +92,7 @@ _DEFAULT_BACKEND = {
 }
 """The quantization backend of each quantized precision when ``backend`` is None (int8: the integer GEMM where
 the CPU has VNNI int8 dot products, else the same numerics emulated)."""
-DEFAULT_OUTLIER_FRACTION = {"int8": 0.05, "fp8": 0.05}
+DEFAULT_OUTLIER_FRACTION = {"int8": 0.1, "fp8": 0.05}
 """Fraction of every quantized linear's input channels kept in high precision when ``outlier_fraction`` is None
 (:mod:`ais_lightning.quant.outliers`); other precisions quantize every channel by default."""
 
@@ -238,7 +238,7 @@ class TorchRolloutEngine:
             those with the largest activation range (:mod:`ais_lightning.quant.outliers`), in [0, 1). The ranges
             are calibrated by an unquantized pass over the prompts of the first ``generate`` and then observed at
             every prefill; each weight sync picks the channels from what the prefills since the previous sync
-            saw. None: 0.05 for int8 and fp8 (real LLMs' outlier features break both otherwise), 0 for the other
+            saw. None: 0.1 for int8, 0.05 for fp8 (real LLMs' outlier features break both otherwise), 0 for the other
             precisions (:data:`DEFAULT_OUTLIER_FRACTION`). Ignored at fp32/bf16.
     """
 

@@ -184,7 +184,8 @@ class LeanLlama:
     ``n_heads``, ``n_kv``, ``head_dim``, ``vocab_size``; ``scaling`` (per layer attention scale);
     ``gated`` (per layer: a ``down(act(gate(x)) * up(x))`` MLP the lean path unrolls); ``qkv`` (per
     layer: the fused q/k/v module or None); ``quantized`` (every ``QuantLinear`` the lean forward
-    calls, once: what a weight sync re-quantizes).
+    calls, once: what a weight sync re-quantizes); ``gate_up`` (per layer: the fused gate/up module of
+    integer-GEMM int8 linears, or None).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -226,31 +227,43 @@ class LeanLlama:
           are one set too. A weight sync re-quantizes it (not the three).
         - emulated recipes keep three modules (per-tensor weight scales would change under fusion).
 
-        gate/up are deliberately *not* fused: at the decode shape (M = batch) one ``[M, H] x [H, 2 I]``
-        GEMM was slower than two ``[M, H] x [H, I]`` ones on CPU (MKL, e.g. 16.3 vs 2 x 5.8 ms for
-        H = 1024, I = 3072, M = 64 on 2 threads; int8 7.9 vs 7.5 ms), presumably because the
-        ``[M, 2 I]`` output tile no longer fits the per-core L2.
+        gate/up are fused only for the integer-GEMM int8 linears (``self.gate_up[i]``, else None): one
+        activation quantization and one outlier-channel product serve both, which saves more than the GEMM
+        loses. Plain linears keep two GEMMs: at the decode shape (M = batch) one ``[M, H] x [H, 2 I]`` GEMM
+        was slower than two ``[M, H] x [H, I]`` ones on CPU (MKL, e.g. 16.3 vs 2 x 5.8 ms for H = 1024,
+        I = 3072, M = 64 on 2 threads), presumably because the ``[M, 2 I]`` output tile no longer fits the
+        per-core L2.
         """
         from ais_lightning.quant import QuantLinear
 
+        def integer(mods: list[nn.Module]) -> bool:
+            return all(type(m) is QuantLinear and m.backend == "int8" for m in mods)
+
         self.qkv: list[nn.Module | None] = []
+        self.gate_up: list[nn.Module | None] = []
         covered: set[int] = set()
-        for layer in self.layers:
+        for layer, gated in zip(self.layers, self.gated):
             attn = layer.self_attn
             mods = [attn.q_proj, attn.k_proj, attn.v_proj]
             if all(type(m) is nn.Linear for m in mods):
                 self.qkv.append(fused_linear(mods))
-            elif all(type(m) is QuantLinear and m.backend == "int8" for m in mods):
+            elif integer(mods):
                 self.qkv.append(QuantLinear.from_linear(fused_linear(mods), mods[0].recipe, "int8"))
                 covered.update(id(m) for m in mods)
             else:
                 self.qkv.append(None)
+            mlp = [layer.mlp.gate_proj, layer.mlp.up_proj] if gated else []
+            if mlp and integer(mlp):
+                self.gate_up.append(QuantLinear.from_linear(fused_linear(mlp), mlp[0].recipe, "int8"))
+                covered.update(id(m) for m in mlp)
+            else:
+                self.gate_up.append(None)
         # q/k/v modules a fused int8 layer replaces are not re-packed per sync (their QuantLinear stamp check
         # re-packs them if they are ever called directly, e.g. through engine.model).
         self.quantized: list[nn.Module] = [
             m for m in model.modules() if isinstance(m, QuantLinear) and id(m) not in covered
         ]
-        self.quantized += [f for f in self.qkv if isinstance(f, QuantLinear)]
+        self.quantized += [f for f in (*self.qkv, *self.gate_up) if isinstance(f, QuantLinear)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -315,8 +328,11 @@ class LeanLlama:
         h = rms_norm(layer.post_attention_layernorm, x)
         if not self.gated[i]:
             return x + mlp(h)
-        gate = mlp.gate_proj(h)  # [..., I]; two GEMMs, not one fused (_fuse_projections)
-        up = mlp.up_proj(h)  # [..., I]
+        if self.gate_up[i] is not None:  # integer int8: one GEMM (_fuse_projections)
+            gate, up = self.gate_up[i](h).chunk(2, dim=-1)  # [..., I] views of [..., 2 I]
+        else:
+            gate = mlp.gate_proj(h)  # [..., I]; two GEMMs, not one fused (_fuse_projections)
+            up = mlp.up_proj(h)  # [..., I]
         return linear_residual(x, act_in_place(mlp.act_fn, gate).mul_(up), mlp.down_proj)
 
     def prefill_layer(

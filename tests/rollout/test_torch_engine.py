@@ -7,6 +7,7 @@ import torch
 
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy
+from ais_lightning.quant import QuantLinear
 from ais_lightning.rollout import RolloutEngine, SamplingConfig, TorchRolloutEngine
 from ais_lightning.rollout.prompts import left_pad
 from ais_lightning.rollout.torch_model import act_in_place, linear_residual, rope, sign_sin
@@ -154,17 +155,27 @@ def test_quantized_engines_have_mismatch_fp4_above_fp8(model):
     "precision, fused_type", [("fp32", "Linear"), ("int8", "QuantLinear"), ("fp8", None)]
 )
 def test_fused_qkv_equals_the_three_projections(model, precision, fused_type):
-    """The fused q/k/v layer reproduces the three modules bit for bit (int8: one shared activation scale)."""
+    """The fused q/k/v layer reproduces the three modules bit for bit (int8: one shared activation scale, and
+    one set of outlier channels, picked from the same input); so does the fused gate/up of int8."""
     engine = TorchRolloutEngine(model, precision=precision)
+    engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2, seed=0))  # calibrates the outlier channels
     h = torch.randn(5, model.config.hidden_size)
-    for layer, fused in zip(engine.model.model.layers, engine.lean.qkv):
+    for i, layer in enumerate(engine.model.model.layers):
+        fused, gate_up = engine.lean.qkv[i], engine.lean.gate_up[i]
         assert (type(fused).__name__ if fused is not None else None) == fused_type
-        if fused is None:
-            continue
-        attn = layer.self_attn
+        assert (gate_up is not None) == (precision == "int8")
+        attn, mlp = layer.self_attn, layer.mlp
         with torch.inference_mode():
-            separate = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
-            assert torch.equal(fused(h), separate)
+            if fused is not None:
+                for m in (attn.q_proj, attn.k_proj, attn.v_proj):  # the separate modules, calibrated alike
+                    if isinstance(m, QuantLinear):
+                        m.set_outlier_channels(fused.outlier_channels)
+                separate = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+                assert torch.equal(fused(h), separate)
+            if gate_up is not None:
+                for m in (mlp.gate_proj, mlp.up_proj):
+                    m.set_outlier_channels(gate_up.outlier_channels)
+                assert torch.equal(gate_up(h), torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1))
 
 
 def test_silu_runs_in_place_and_other_activations_do_not(model):
@@ -364,7 +375,7 @@ def test_check_args_fills_the_constructor_defaults_and_normalizes():
     }
     args = TorchRolloutEngine.check_args(precision="fp4", kv_cache_dtype="auto")
     assert (args["backend"], args["kv_cache_dtype"], args["outlier_fraction"]) == ("emulate", None, 0.0)
-    assert TorchRolloutEngine.check_args(precision="int8")["outlier_fraction"] == 0.05
+    assert TorchRolloutEngine.check_args(precision="int8")["outlier_fraction"] == 0.1
     assert TorchRolloutEngine.check_args(precision="fp8", outlier_fraction=0)["outlier_fraction"] == 0.0
     assert TorchRolloutEngine.check_args(precision="int8")["backend"] == "int8"
     with pytest.raises(ValueError, match="^max_model_len: not an argument of TorchRolloutEngine.*it accepts"):
@@ -413,21 +424,26 @@ def test_outlier_channels_are_calibrated_on_the_first_prompts_unquantized(model)
     from ais_lightning.quant import largest_channels, outlier_count
 
     engine = TorchRolloutEngine(model, precision="int8")
-    assert engine.outlier_fraction == 0.05 and not engine.outliers.calibrated
+    assert engine.outlier_fraction == 0.1 and not engine.outliers.calibrated
     assert all(layer.outlier_channels is None for layer in engine.quantized)
     engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=4, seed=0))
     ranges = _input_ranges(model, PROMPTS)
-    k = outlier_count(model.config.hidden_size, 0.05)  # ceil(0.05 * 128) = 7
+    k = outlier_count(model.config.hidden_size, 0.1)  # ceil(0.1 * 128) = 13
     for i, layer in enumerate(engine.model.model.layers):
         qkv = engine.lean.qkv[i] if engine.lean.qkv[i] is not None else layer.self_attn.q_proj
         assert (
             qkv.outlier_channels.tolist()
             == largest_channels(ranges[f"model.layers.{i}.self_attn.q_proj"], k).tolist()
         )
+        gate_up = engine.lean.gate_up[i]
         for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            module = layer.get_submodule(name)
+            module = (
+                gate_up
+                if gate_up is not None and name in ("mlp.gate_proj", "mlp.up_proj")
+                else layer.get_submodule(name)
+            )
             want = largest_channels(
-                ranges[f"model.layers.{i}.{name}"], outlier_count(module.in_features, 0.05)
+                ranges[f"model.layers.{i}.{name}"], outlier_count(module.in_features, 0.1)
             )
             assert module.outlier_channels.tolist() == want.tolist(), name
     assert engine.outliers.calibrated

@@ -16,9 +16,9 @@ prompts x ``--samples``, ``--temperature``, ``--max-new-tokens``); then:
    vocabulary, averaged over response tokens (teacher-forced, so no sampling noise), and the same for every
    kind at once.
 
-Example (the table in docs/models.md)::
+Example (the tables in docs/real_model.md)::
 
-    python tools/activation_outliers.py -- policy=smollm2 task=arithmetic
+    python tools/activation_outliers.py --recipe int8 --outlier-fraction 0.1 -- policy=smollm2 task=arithmetic
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="After --: ais-train overrides.")
     p.add_argument("--recipe", default="int8", help="an ais_lightning.quant recipe")
-    p.add_argument("--outlier-fraction", type=float, default=0.05)
+    p.add_argument("--outlier-fraction", type=float, default=0.1, help="the int8 engine's default")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--temperature", type=float, default=1.0)

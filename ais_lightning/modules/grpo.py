@@ -295,6 +295,33 @@ class GRPOModule(LightningModule):
             else:
                 self.eval_engine.sync_weights(state)
         self.apply_precision_schedule()  # a resumed run lands in the stage of its step
+        self._restore_engine_calibration()
+
+    def _validation_generate(
+        self, engine: RolloutEngine, prompts: list[str], greedy: SamplingConfig
+    ) -> RolloutBatch:
+        """``engine.generate`` for validation, leaving the engine's calibration (outlier channels, ranges seen
+        since the last sync) as it was: validation never changes what training does, so a run trains the
+        same whether and how often it validates, and a resumed run as the uninterrupted one."""
+        save = getattr(engine, "calibration_state", None)
+        state = save() if save is not None else None
+        try:
+            return engine.generate(self.encode_prompts(prompts), greedy)
+        finally:
+            if state is not None:
+                engine.load_calibration_state(state)
+
+    def _restore_engine_calibration(self) -> None:
+        """A resumed run's engine takes the checkpoint's calibration (outlier channels and the ranges seen since
+        the last sync), so it quantizes as the uninterrupted run would; once, after the engine is built."""
+        state, self._engine_calibration = getattr(self, "_engine_calibration", None), None
+        load = getattr(self.engine, "load_calibration_state", None)
+        if state is None or load is None:
+            return
+        try:
+            load(state)
+        except ValueError as err:
+            log.warning("the checkpoint's engine calibration does not fit the engine, recalibrating: %s", err)
 
     def apply_precision_schedule(self, step: int | None = None) -> dict[str, float]:
         """Progressive precision: move the aligned forward and the rollout engine to a step's stage together.
@@ -705,7 +732,7 @@ class GRPOModule(LightningModule):
             if engine is None:
                 continue
             if id(engine) not in done:
-                out = ops.to_device(engine.generate(self.encode_prompts(prompts), greedy), self.device)
+                out = ops.to_device(self._validation_generate(engine, prompts, greedy), self.device)
                 done[id(engine)] = out, self.score(out, prompts, fields)[0]
             out, rewards = done[id(engine)]
             tally = self._val_tally.setdefault(name, [0.0, 0.0])
@@ -743,6 +770,8 @@ class GRPOModule(LightningModule):
         checkpoint["ais_bad_steps"] = self.bad_steps
         checkpoint["ais_reward_alarm"] = dict(self.reward_alarm)
         checkpoint["ais_validation_history"] = list(self.validation_history)
+        state = getattr(self.engine, "calibration_state", None)
+        checkpoint["ais_engine_calibration"] = state() if state is not None else None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.history = list(checkpoint.get("ais_history", []))
@@ -750,6 +779,7 @@ class GRPOModule(LightningModule):
         self.bad_steps = int(checkpoint.get("ais_bad_steps", 0))
         self.reward_alarm.update(checkpoint.get("ais_reward_alarm", {}))
         self.validation_history = list(checkpoint.get("ais_validation_history", []))
+        self._engine_calibration = checkpoint.get("ais_engine_calibration")
 
 
 def _clip(text: str, limit: int = 160) -> str:

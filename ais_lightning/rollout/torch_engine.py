@@ -484,6 +484,26 @@ class TorchRolloutEngine:
         if self.kv_scales is not None:
             self.kv_scales.reset()  # recalibrated on the next prefill
 
+    def calibration_state(self) -> dict[str, Any] | None:
+        """The engine's own calibration beyond the weights a sync delivers: its outlier channels and the
+        activation ranges observed since the last sync (None without outlier channels). A checkpoint keeps it
+        so that a resumed run quantizes exactly as the uninterrupted one (:meth:`load_calibration_state`)."""
+        if self.outliers is None:
+            return None
+        return {"precision": self.precision, "outliers": self.outliers.state_dict()}
+
+    def load_calibration_state(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`calibration_state` (after the weights are synced); ValueError if it was taken from an
+        engine of another precision, outlier fraction or model, leaving this engine's calibration as it was."""
+        if state is None:
+            return
+        if self.outliers is None or state.get("precision") != self.precision:
+            raise ValueError(
+                f"calibration state of a {state.get('precision')!r} engine with outlier channels does not fit this "
+                f"{self.precision!r} engine (outlier_fraction={self.outlier_fraction})"
+            )
+        self.outliers.load_state_dict(state["outliers"])
+
     def _after_sync(self) -> None:
         """Re-derive cached low-precision weights after new weights were loaded (outlier channels picked
         first, from the activation ranges the prefills since the previous sync saw)."""

@@ -183,3 +183,42 @@ def test_calibration_observes_bypasses_and_sets_channels_per_window():
         assert a.outlier_channels.tolist() == [2, 11] and b.outlier_channels.tolist() == [11, 30]
         assert cal.apply() == 0  # nothing observed since: nothing changes
         assert a.outlier_channels.tolist() == [2, 11]
+
+
+def test_calibration_state_round_trip_resumes_the_same_channels():
+    """A checkpoint of the calibration (channels, and the ranges seen since the last apply) restored on a
+    fresh copy of the layers picks the same channels at the next apply as the original does."""
+    g = torch.Generator().manual_seed(0)
+    layers = [QuantLinear.from_linear(nn.Linear(32, 4), "int8") for _ in range(2)]
+    twins = [QuantLinear.from_linear(nn.Linear(32, 4), "int8") for _ in range(2)]
+    original, restored = OutlierCalibration(layers, 0.1), OutlierCalibration(twins, 0.1)
+    x1, x2 = torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)
+    x1[:, 5] *= 50
+    x2[:, 9] *= 80
+    with original.observe(bypass=True):
+        for layer in layers:
+            layer(x1)
+    original.apply()  # channels from x1 (5 among them)
+    with original.observe():
+        for layer in layers:
+            layer(x2)  # ranges since the apply: x2's
+    restored.load_state_dict(original.state_dict())
+    assert restored.calibrated
+    for a, b in zip(layers, twins):
+        assert torch.equal(a.outlier_channels, b.outlier_channels) and 5 in b.outlier_channels.tolist()
+    original.apply()
+    restored.apply()
+    for a, b in zip(layers, twins):
+        assert torch.equal(a.outlier_channels, b.outlier_channels) and 9 in b.outlier_channels.tolist()
+
+
+def test_calibration_state_of_other_layers_or_fraction_is_refused():
+    layers = [QuantLinear.from_linear(nn.Linear(32, 4), "int8")]
+    state = OutlierCalibration(layers, 0.1).state_dict()
+    with pytest.raises(ValueError, match="does not fit"):
+        OutlierCalibration(layers, 0.2).load_state_dict(state)
+    with pytest.raises(ValueError, match="does not fit"):
+        OutlierCalibration(layers * 2, 0.1).load_state_dict(state)
+    state["ranges"] = [torch.ones(7)]
+    with pytest.raises(ValueError, match="shape"):
+        OutlierCalibration(layers, 0.1).load_state_dict(state)

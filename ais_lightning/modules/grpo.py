@@ -228,6 +228,7 @@ class GRPOModule(LightningModule):
             }
         )
         self.engine: RolloutEngine | None = None
+        self._engine_calibration: Any = None  # a checkpoint's engine calibration, until the engine takes it
         self.eval_engine: RolloutEngine | None = None
         self.bad_steps = 0
         """Consecutive rollout steps whose numbers were not finite (reset by a good step)."""
@@ -314,7 +315,7 @@ class GRPOModule(LightningModule):
     def _restore_engine_calibration(self) -> None:
         """A resumed run's engine takes the checkpoint's calibration (outlier channels and the ranges seen since
         the last sync), so it quantizes as the uninterrupted run would; once, after the engine is built."""
-        state, self._engine_calibration = getattr(self, "_engine_calibration", None), None
+        state, self._engine_calibration = self._engine_calibration, None
         load = getattr(self.engine, "load_calibration_state", None)
         if state is None or load is None:
             return

@@ -352,7 +352,8 @@ class QuantLinear(nn.Linear):
     def set_outlier_channels(self, channels: torch.Tensor | None) -> None:
         """Keep the input ``channels`` (``[k]`` indices) in the layer's dtype; None quantizes every channel.
 
-        The quantized caches are re-derived on the next forward (or :meth:`refresh`). See :mod:`.outliers`.
+        The quantized caches are re-derived on the next forward (or :meth:`refresh`), unless the channels are
+        the ones already kept (restoring a calibration, a sync that picks the same set). See :mod:`.outliers`.
         """
         if channels is not None:
             channels = torch.as_tensor(channels).detach()
@@ -369,7 +370,13 @@ class QuantLinear(nn.Linear):
                     "it cannot also keep channels in high precision"
                 )
             channels = channels.to(self.weight.device)
-        self.outlier_channels = channels if channels is not None and channels.numel() else None
+        channels = channels if channels is not None and channels.numel() else None
+        current = self.outlier_channels
+        if (channels is None and current is None) or (
+            channels is not None and current is not None and torch.equal(channels, current)
+        ):
+            return  # the caches already hold this split
+        self.outlier_channels = channels
         self._stamp = None  # re-derive the caches
 
     def _main_weight(self) -> torch.Tensor:

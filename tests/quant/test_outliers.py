@@ -222,3 +222,30 @@ def test_calibration_state_of_other_layers_or_fraction_is_refused():
     state["ranges"] = [torch.ones(7)]
     with pytest.raises(ValueError, match="shape"):
         OutlierCalibration(layers, 0.1).load_state_dict(state)
+
+
+def test_int8_per_token_is_quantize_bit_for_bit():
+    """The decode path's one-pass token quantization gives ``quantize(x, "int8", "token")``'s codes and scales,
+    zero rows (the scale floor) and a wide row included."""
+    from ais_lightning.quant import quantize
+    from ais_lightning.quant.linear import int8_per_token
+
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    x[1] = 0.0
+    x[2, 7] = 3000.0
+    codes, scale = int8_per_token(x)
+    ref = quantize(x, "int8", "token")
+    assert codes.dtype == torch.int8 and torch.equal(codes, ref.data)
+    assert torch.equal(scale, ref.scale)
+
+
+def test_setting_the_same_outlier_channels_keeps_the_quantized_caches():
+    layer = QuantLinear.from_linear(_linear(32, 4), "int8")
+    layer.set_outlier_channels(torch.tensor([3, 9]))
+    x = torch.randn(5, 32)
+    y = layer(x)
+    stamp = layer._stamp
+    layer.set_outlier_channels(torch.tensor([9, 3]))  # the same set
+    assert layer._stamp is stamp and torch.equal(layer(x), y)
+    layer.set_outlier_channels(torch.tensor([3]))
+    assert layer._stamp is None

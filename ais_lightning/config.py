@@ -31,7 +31,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional  # noqa: UP035 - OmegaConf reads typing.List in the schema
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -151,6 +151,9 @@ class TrainConfig:
     """Resume from this Lightning checkpoint ("last" = the newest in the output directory)."""
     output_dir: str = MISSING
     """Where checkpoints, the summary and the default MLflow store go (Hydra's run directory)."""
+    trusted_targets: Optional[List[str]] = None  # noqa: UP006, UP045
+    """Modules a ``_target_`` may name besides ``ais_lightning`` (e.g. ``[my_pkg]``); null = any importable
+    callable (a config is code). ``ais_lightning.build.check_trusted_targets`` checks the whole config first."""
 
 
 def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:

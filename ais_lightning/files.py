@@ -2,11 +2,15 @@
 
 A file ``X`` we write is first written under a temporary name in its own directory, flushed to disk
 and renamed onto ``X`` (``os.replace`` is atomic on POSIX and Windows), so a reader never sees half a
-file. Its SHA-256 is then written the same way to ``X.sha256`` in ``sha256sum`` format
-(``<hex>  <name>``), *after* ``X`` itself: a crash between the two leaves a file without a hash,
-which loading treats as incomplete rather than trusting it. Loading recomputes the hash and raises
-:class:`CorruptFileError` (a ``ValueError``) naming the file when the sidecar is missing, malformed or
-different, so flipped bytes or a truncated file are never loaded silently.
+file. Its SHA-256 lives in ``X.sha256`` in ``sha256sum`` format (``<hex>  <name>``), and
+:func:`publish_verified` publishes the two so that a crash at any instant never leaves a stale pair:
+the new file's hash is added to the sidecar *beside* the current file's before the file is renamed into
+place, and the old hash is dropped after. At every instant ``X`` therefore matches a hash its sidecar
+lists (or, for a file that was never verified, has no sidecar: incomplete, never trusted). Loading
+recomputes the hash and raises :class:`CorruptFileError` (a ``ValueError``) naming the file when the
+sidecar is missing, malformed or lists no hash of the content, so flipped bytes or a truncated file are
+never loaded silently. A write that fails because the disk is full raises :class:`DiskFullError` naming
+the file and leaves neither a temporary file nor an unverified one behind.
 
 A directory of such files (e.g. a warm-start cache entry) is built under a temporary name and
 published by one atomic rename (:func:`publish_dir`); :func:`discard_dir` moves a bad one out of the
@@ -15,15 +19,17 @@ such entries live under :func:`cache_root`, and :func:`entry_lock` makes concurr
 one entry once (the others wait, then read it).
 
 :class:`VerifiedCheckpointIO` brings the same guarantee to Lightning checkpoints: a
-``TorchCheckpointIO`` (``lightning/fabric/plugins/io/torch_io.py``: ``_atomic_save`` to the path,
-``torch.load`` back) that writes the sidecar after each save, verifies it before each load and
-removes it with the checkpoint. Strategies that do not go through ``CheckpointIO`` (Lightning's
+``TorchCheckpointIO`` (``lightning/fabric/plugins/io/torch_io.py``) whose saves go through
+:func:`publish_verified` (``last.ckpt`` is overwritten at every save: a kill between the file and its hash
+used to leave the new file beside the old hash), that verifies before each load and removes the sidecar
+with the checkpoint. Strategies that do not go through ``CheckpointIO`` (Lightning's
 ``ModelParallelStrategy``/FSDP2 with distributed checkpoints, which write a directory) are not covered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -44,6 +50,41 @@ log = logging.getLogger(__name__)
 
 _SIDECAR_RE = re.compile(r"^([0-9a-f]{64})(?:\s+\*?.*)?\s*$")
 _CHUNK = 1 << 20
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""``errno`` values of a write that failed for want of space (no space left, disk quota exceeded)."""
+
+
+class DiskFullError(OSError):
+    """A write failed because the file system is full; ``filename`` is the file that could not be written."""
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The disk-full ``OSError`` behind ``err`` (itself, its cause or its context), else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+@contextlib.contextmanager
+def naming_disk_full(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Re-raise a disk-full ``OSError`` inside the block as :class:`DiskFullError` naming ``path`` (``what``
+    it is, e.g. "checkpoint"); other errors pass unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as err:
+        if err.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise DiskFullError(
+            err.errno, f"{os.strerror(err.errno)}: could not write the {what}", str(path)
+        ) from err
 
 
 class CorruptFileError(ValueError):
@@ -104,25 +145,41 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
     _fsync_dir(path.parent)
 
 
+def _write_sidecar(path: Path, digests: list[str]) -> None:
+    """Write ``path``'s sidecar atomically, one ``<hex>  <name>`` line per digest (duplicates dropped)."""
+    lines = "".join(f"{d}  {path.name}\n" for d in dict.fromkeys(digests))
+    atomic_write(hash_path(path), lambda f: f.write(lines.encode()))
+
+
 def write_hash(path: str | os.PathLike) -> str:
     """Hash the file at ``path`` as it is on disk and write the sidecar atomically; returns the hex."""
     path = Path(path)
     digest = sha256_file(path)
-    atomic_write(hash_path(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    _write_sidecar(path, [digest])
     return digest
 
 
-def read_hash(path: str | os.PathLike) -> str:
-    """The hex SHA-256 recorded for ``path``; CorruptFileError if the sidecar is missing or malformed."""
+def read_hashes(path: str | os.PathLike) -> list[str]:
+    """Every hex SHA-256 the sidecar of ``path`` lists (one, or two while :func:`publish_verified` replaces the
+    file); CorruptFileError if the sidecar is missing, empty or malformed."""
     sidecar = hash_path(path)
     try:
         text = sidecar.read_text(encoding="ascii", errors="replace").strip()
     except FileNotFoundError:
         raise CorruptFileError(path, f"no hash file {sidecar.name} beside it (incomplete write?)") from None
-    match = _SIDECAR_RE.match(text.lower())
-    if match is None:
-        raise CorruptFileError(path, f"hash file {sidecar.name} is malformed: {text[:80]!r}")
-    return match.group(1)
+    digests = []
+    for line in text.lower().splitlines() or [""]:
+        match = _SIDECAR_RE.match(line.strip())
+        if match is None:
+            raise CorruptFileError(path, f"hash file {sidecar.name} is malformed: {text[:80]!r}")
+        digests.append(match.group(1))
+    return digests
+
+
+def read_hash(path: str | os.PathLike) -> str:
+    """The hex SHA-256 recorded for ``path`` (the newest, listed first); CorruptFileError if the sidecar is
+    missing or malformed."""
+    return read_hashes(path)[0]
 
 
 def verify_file(path: str | os.PathLike) -> str:
@@ -130,21 +187,73 @@ def verify_file(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_file():
         raise CorruptFileError(path, "file is missing")
-    expected = read_hash(path)
+    expected = read_hashes(path)
     actual = sha256_file(path)
-    if actual != expected:
+    if actual not in expected:
         raise CorruptFileError(
             path,
-            f"content hash {actual[:16]}... does not match {hash_path(path).name} ({expected[:16]}...): "
-            "the file is corrupt or was modified after it was written",
+            f"content hash {actual[:16]}... does not match {hash_path(path).name} ({expected[0][:16]}...): "
+            "the file was damaged or modified after it was written, or its write was interrupted",
         )
     return actual
 
 
+def publish_verified(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], what: str = "file") -> str:
+    """Write ``path`` and its sidecar so that no crash leaves a stale pair; returns the hex SHA-256.
+
+    ``write(f)`` fills a temporary file beside ``path`` (flushed and fsynced), which is hashed. Then:
+
+    1. the sidecar is rewritten atomically to list the new hash *and* the hashes it listed (so the file
+       still at ``path`` keeps verifying); a ``path`` that exists without a valid sidecar (never verified)
+       instead loses any sidecar it has, and stays unverified;
+    2. the temporary file is renamed onto ``path`` (it matches the new hash, listed in step 1);
+    3. the sidecar is rewritten to list the new hash alone.
+
+    A crash at any moment leaves ``path`` either absent, or matching a hash its sidecar lists, or (only for a
+    file that was never verified) without a sidecar; a leftover temporary file has a hidden name
+    (``.<name>.<random>.tmp``) that no ``*.ckpt`` glob matches. On an error (e.g. a full disk) the temporary
+    file is removed, a sidecar written for a file that never appeared is removed too, and a disk-full
+    ``OSError`` is raised as :class:`DiskFullError` naming ``path`` (``what`` it is).
+    """
+    path = Path(path)
+    with naming_disk_full(path, what):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        fresh_sidecar = False
+        try:
+            with open(tmp, "xb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            digest = sha256_file(tmp)
+            if os.path.lexists(path):
+                try:
+                    listed = read_hashes(path)
+                except CorruptFileError:  # never verified: it must not become verified by accident
+                    listed = None
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(hash_path(path))
+                if listed is not None and listed != [digest]:
+                    _write_sidecar(path, [digest, *listed])
+            else:
+                _write_sidecar(path, [digest])
+                fresh_sidecar = True
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if fresh_sidecar and not os.path.lexists(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(hash_path(path))
+            raise
+        _fsync_dir(path.parent)
+        _write_sidecar(path, [digest])  # a failure here leaves path verified by the two-hash sidecar
+    return digest
+
+
 def save_verified(obj: Any, path: str | os.PathLike) -> str:
-    """``torch.save(obj)`` to ``path`` atomically, then its sidecar; returns the hex SHA-256."""
-    atomic_write(path, lambda f: torch.save(obj, f))
-    return write_hash(path)
+    """``torch.save(obj)`` to ``path`` and its sidecar (:func:`publish_verified`); returns the hex SHA-256."""
+    return publish_verified(path, lambda f: torch.save(obj, f))
 
 
 def load_verified(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
@@ -159,9 +268,8 @@ def load_verified(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
 
 
 def write_text_verified(path: str | os.PathLike, text: str) -> str:
-    """Write UTF-8 ``text`` atomically, then its sidecar; returns the hex SHA-256."""
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-    return write_hash(path)
+    """Write UTF-8 ``text`` and its sidecar (:func:`publish_verified`); returns the hex SHA-256."""
+    return publish_verified(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def read_text_verified(path: str | os.PathLike) -> str:
@@ -248,9 +356,11 @@ def entry_lock(root: str | os.PathLike, key: str, what: str = "cache entry") -> 
 class VerifiedCheckpointIO(TorchCheckpointIO):
     """Lightning ``TorchCheckpointIO`` whose checkpoints carry a SHA-256 sidecar checked on load.
 
-    ``save_checkpoint`` writes the checkpoint as ``TorchCheckpointIO`` does (atomically), then
-    ``<path>.sha256``; ``load_checkpoint`` raises :class:`CorruptFileError` (a ``ValueError`` naming
-    the path) when the hash file is missing or does not match, before ``torch.load`` sees the bytes;
+    ``save_checkpoint`` writes the checkpoint with ``torch.save`` and publishes it with ``<path>.sha256``
+    (:func:`publish_verified`: a kill at any moment leaves the file matching its sidecar, a full disk a
+    :class:`DiskFullError` naming the file and nothing unverified); ``load_checkpoint`` raises
+    :class:`CorruptFileError` (a ``ValueError`` naming the path) when the hash file is missing or does not
+    match, before ``torch.load`` sees the bytes;
     ``remove_checkpoint`` removes both. A symlinked checkpoint (``ModelCheckpoint(save_last="link")``)
     is verified through its target. Local paths only. Pass it as ``L.Trainer(plugins=[VerifiedCheckpointIO()])``.
 
@@ -273,9 +383,12 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
+        if storage_options is not None:  # as TorchCheckpointIO
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
+            )
         local = self._local(path)
-        super().save_checkpoint(checkpoint, local, storage_options=storage_options)
-        write_hash(local)
+        publish_verified(local, lambda f: torch.save(checkpoint, f), what="checkpoint")
 
     def verify(self, path: Any) -> Path:
         """Check ``path`` against its hash sidecar (through a symlink to its target); returns the local path.

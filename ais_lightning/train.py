@@ -14,6 +14,7 @@ a checkpoint continues the same MLflow run.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,8 +27,13 @@ from ais_lightning.config import register_configs
 
 register_configs()
 if not OmegaConf.has_resolver("pid"):
-    # Output directories carry the process id: two runs started in the same second never share one.
-    OmegaConf.register_new_resolver("pid", os.getpid)
+    # Output directories carry the process id: two runs started in the same second never share one. Cached
+    # like Hydra's own ${now:}: the parent resolves the sweep directory before it launches the jobs, and Hydra
+    # copies the parent config's resolver cache into every job's config (``load_sweep_config``), so jobs run
+    # by other processes (joblib, SLURM) get the parent's id, not their own: one sweep directory, one store.
+    OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+
+log = logging.getLogger("ais_lightning.train")  # also when run as __main__
 
 EXIT_CODES = {"sigterm": 143, "sigint": 130}
 """Exit codes of an interrupted run (128 + the signal number, as shells report them)."""
@@ -39,20 +45,43 @@ def resolve_checkpoint(ckpt_path: str | None, output_dir: str) -> str | None:
         if ckpt_path is not None and not Path(ckpt_path).is_file():
             raise ValueError(f"ckpt_path={ckpt_path} does not exist")
         return ckpt_path
-    from ais_lightning.files import hash_path
+    from ais_lightning.files import CorruptFileError, hash_path, verify_file
 
-    found = list((Path(output_dir) / "checkpoints").glob("*.ckpt"))
+    directory = Path(output_dir) / "checkpoints"
+    found = sorted(directory.glob("*.ckpt"), key=_mtime, reverse=True)  # newest first
     if not found:
-        raise ValueError(f"ckpt_path=last but {Path(output_dir) / 'checkpoints'} holds no checkpoint")
-    # A checkpoint is complete once its hash sidecar is written: a kill between the two leaves the newest
-    # checkpoint without one, and the newest complete one is resumed instead.
-    complete = [p for p in found if hash_path(p.resolve()).exists()]
-    if not complete:
+        raise ValueError(f"ckpt_path=last but {directory} holds no checkpoint")
+    if not any(hash_path(p.resolve()).exists() for p in found):
         raise ValueError(
-            f"ckpt_path=last but no checkpoint under {Path(output_dir) / 'checkpoints'} has its .sha256 "
-            f"sidecar (incomplete writes, or written before checkpoints were hashed): {sorted(p.name for p in found)}"
+            f"ckpt_path=last but no checkpoint under {directory} has its .sha256 sidecar (incomplete writes, "
+            f"or written before checkpoints were hashed): {sorted(p.name for p in found)}"
         )
-    return str(max(complete, key=lambda p: p.stat().st_mtime_ns))
+    # The newest checkpoint that verifies: a kill during a write can leave the newest one without its hash
+    # (incomplete), and a damaged file never verifies; either is skipped, saying so, for the one before it.
+    skipped = []
+    for path in found:
+        try:
+            verify_file(path.resolve())
+        except (CorruptFileError, OSError) as err:
+            skipped.append(f"{path.name}: {getattr(err, 'reason', err)}")
+            continue
+        if skipped:
+            log.warning(
+                "ckpt_path=last: resuming from %s, the newest checkpoint that verifies; skipped the newer %s",
+                path,
+                "; ".join(skipped),
+            )
+        else:
+            log.info("ckpt_path=last: resuming from %s (the newest checkpoint; it verifies)", path)
+        return str(path)
+    raise ValueError(f"ckpt_path=last but no checkpoint under {directory} verifies: {'; '.join(skipped)}")
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:  # a dangling link or a file removed meanwhile: oldest, and refused when verified
+        return -1
 
 
 def _read_checkpoint(path: str) -> dict[str, Any]:
@@ -70,7 +99,61 @@ def _read_checkpoint(path: str) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train with a composed config; returns the summary dict."""
+    """Train with a composed config; returns the summary dict.
+
+    A run that ends with an error leaves its MLflow run FAILED (also when Lightning's own attempt to mark it
+    could not write the store). A full disk ends it with ``SystemExit`` naming the file that could not be
+    written, rather than a traceback; the checkpoint directory then holds only verified checkpoints.
+    """
+    opened: dict[str, Any] = {}
+    try:
+        return _run(cfg, opened)
+    except Exception as err:
+        failed = _mark_failed(opened.get("logger"))
+        full = _disk_full_message(err, cfg, opened.get("logger"), failed)
+        if full is not None:
+            raise SystemExit(full) from err
+        if failed:
+            log.error("%s", failed)
+        raise
+
+
+def _mark_failed(logger: Any) -> str:
+    """Mark ``logger``'s MLflow run FAILED (a no-op for other loggers); "" when done, else what went wrong."""
+    if not logger or not hasattr(logger, "run_id"):
+        return ""
+    try:
+        logger.experiment.set_terminated(logger.run_id, "FAILED")
+    except Exception as err:  # e.g. the store is on the full disk too
+        return f"the MLflow run {logger.run_id} could not be marked FAILED ({type(err).__name__}: {err})"
+    return ""
+
+
+def _disk_full_message(err: BaseException, cfg: DictConfig, logger: Any, failed: str) -> str | None:
+    """The one-paragraph error of a run that ran out of disk space, or None if ``err`` is something else."""
+    from ais_lightning.files import disk_full
+
+    full = disk_full(err)
+    if full is not None:
+        where = f"{full.strerror}: {full.filename}" if full.filename else str(full)
+    else:
+        chain, seen = err, set()
+        while chain is not None and id(chain) not in seen and "database or disk is full" not in str(chain):
+            seen.add(id(chain))
+            chain = chain.__cause__ or chain.__context__
+        if chain is None or id(chain) in seen:
+            return None
+        store = getattr(logger, "_tracking_uri", None) or "the MLflow store"
+        where = f"{store} could not be written (database or disk is full)"
+    tracking = failed or (f"MLflow run {logger.run_id} is marked FAILED" if hasattr(logger, "run_id") else "")
+    tracking = f"; {tracking}" if tracking else ""
+    return (
+        f"ais-train: the disk is full. {where}. The checkpoints under {Path(str(cfg.output_dir), 'checkpoints')} "
+        f"are only complete, verified ones{tracking}. Free some space and resume with ckpt_path=last."
+    )
+
+
+def _run(cfg: DictConfig, opened: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -122,6 +205,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     steps = c.trainer.max_steps
     data = c.prompt_data(steps, cfg.seed)  # a resume may raise max_steps: batch k stays batch k
     logger = build_logger(c.logger, cfg.output_dir, resume=resume)
+    opened["logger"] = logger  # marked FAILED by run() if anything below raises
     per_rollout = algo.optimizer_steps_per_rollout
     every = c.trainer.checkpoint_every_n_steps * per_rollout or None
     val_every = min(algo.val_every_n_steps, steps)  # in training batches = rollout steps
@@ -150,8 +234,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         default_root_dir=cfg.output_dir,
     )
     # From here the MLflow run is open: a SIGTERM is recorded and ends the run at the next check (summary,
-    # run KILLED, exit 143), never by the default action that would leave the run RUNNING or FINISHED.
-    with guard.installed():
+    # run KILLED, exit 143), never by the default action that would leave the run RUNNING or FINISHED. The
+    # engines live from the validation before training to the end of the run, then release their memory.
+    with guard.installed(), module.engines_released():
         continues = bool(resume) and getattr(logger, "run_id", None) == resume["run_id"]
         if logger and not continues:  # a new run (also when a resume is sent to another store explicitly)
             logger.log_hyperparams({**flatten_config(cfg), **option_choices()})

@@ -5,7 +5,7 @@ Why a band and not a seed
 RL from a random tiny model sees zero reward, so every run starts from a supervised warm start on the
 task's reference solutions. That SFT is chaotic: with a fixed step count, SFT seeds 0/1/2 ended at
 greedy accuracy 0.957 / 0.707 / 0.176, and the same seed ended at 0.977 with one intra-op thread and
-0.926 with two (issue #19): reduction-order noise of the order of 1e-7 is amplified into tens of points.
+0.926 with two: reduction-order noise of the order of 1e-7 is amplified into tens of points.
 A warm start defined by a seed reproduces only on the machine and thread count that built it.
 
 So the warm start is defined by what it must achieve. With ``target_band=[low, high]`` the SFT stops
@@ -85,7 +85,7 @@ from ais_lightning.files import (
 from ais_lightning.models.prompting import encode_prompts
 from ais_lightning.modules.sft import SFTModule, warmup_factor
 from ais_lightning.policy import Policy
-from ais_lightning.tasks import PromptDataModule, Task, TaskSample, batch_rewards
+from ais_lightning.tasks import SOLVED_REWARD, PromptDataModule, Task, TaskSample, batch_rewards
 
 _SFT_DEFAULTS = {
     name: param.default
@@ -111,8 +111,12 @@ class WarmStartSettings:
     part of the cache key.
     """
 
-    enabled: bool = True
-    """Run (or load from the cache) the warm start before RL."""
+    enabled: bool | str = "auto"
+    """Run (or load from the cache) the warm start before RL: ``true``, ``false``, or ``auto`` (the default):
+    on when the policy starts from random weights (the built-in models, which know nothing of the task), off
+    for a pretrained checkpoint (``policy=local|gguf|smollm2``), which already answers and for which these
+    settings, sized for the built-in model, would cost hours of SFT. ``ais-train`` settles ``auto`` from the
+    policy option before anything is built (:func:`resolve_enabled`)."""
     steps: int = 500
     """With ``target_band``: the budget of optimizer steps (every step trained counts, also those undone by
     a back-off). Without: exactly this many steps."""
@@ -150,6 +154,8 @@ class WarmStartSettings:
     ``~/.cache/ais_lightning/warmstart``."""
 
     def __post_init__(self) -> None:
+        if self.enabled not in (True, False, "auto") or not isinstance(self.enabled, (bool, str)):
+            raise ValueError(f"WarmStartSettings.enabled must be true, false or auto, got {self.enabled!r}")
         for name in ("steps", "batch_size", "eval_every", "eval_size", "max_new_tokens"):
             _check_int(self, name, minimum=1)
         for name in ("warmup_steps", "max_backoffs", "num_threads"):
@@ -191,6 +197,18 @@ class WarmStartSettings:
         return {
             k: v for k, v in dataclasses.asdict(self).items() if k not in ("enabled", "cache_dir", "seed")
         }
+
+
+def resolve_enabled(enabled: bool | str, starts_pretrained: bool) -> bool:
+    """``WarmStartSettings.enabled`` settled for a policy: ``auto`` warm-starts only a policy that does not start
+    from pretrained weights (``starts_pretrained``); ``true`` / ``false`` are kept.
+
+    >>> resolve_enabled("auto", starts_pretrained=True), resolve_enabled("auto", starts_pretrained=False)
+    (False, True)
+    >>> resolve_enabled(True, starts_pretrained=True)
+    True
+    """
+    return (not starts_pretrained) if enabled == "auto" else bool(enabled)
 
 
 def _check_int(settings: WarmStartSettings, name: str, minimum: int | None) -> None:
@@ -302,6 +320,9 @@ def cache_key_payload(
         },
         "tokenizer": tokenizer_fingerprint(tokenizer),
         **({"chat_template": tokenizer.chat_template} if policy.chat_template else {}),  # the prompts' format
+        **(
+            {"head_dtype": "float32"} if getattr(policy, "head_float32", False) else {}
+        ),  # the head's precision
         "task": task_fingerprint(task),
         "settings": settings.key_fields(),
         "seed": seed,
@@ -372,7 +393,7 @@ class GreedyAccuracy:
             chunk = self.samples[start : start + self.batch_size]
             out = self.engine.generate(self.prompt_ids[start : start + self.batch_size], self.sampling)
             rewards, _ = batch_rewards(self.task, chunk, out, self.tokenizer)
-            correct += sum(r >= 1.0 - 1e-6 for r in rewards)
+            correct += sum(r >= SOLVED_REWARD for r in rewards)
         return correct / len(self.samples)
 
 

@@ -43,13 +43,6 @@ PRECISIONS = ("fp32", "fp8", "fp4", "int8", *NESTED_INT_RECIPES)
 """Default rollout precisions: the fp32 engine (should give ~0), the existing recipes, the Bit-by-Bit ones."""
 
 
-def rewards_of(task, samples, batch, tokenizer) -> list[float]:
-    """Task rewards of every row of ``batch`` (row ``i`` answers ``samples[batch.prompt_index[i]]``)."""
-    from ais_lightning.tasks import batch_rewards
-
-    return batch_rewards(task, samples, batch, tokenizer)[0]
-
-
 def warm_start(args: argparse.Namespace):
     """The warm-started policy (trained now by ``ais_lightning.warmstart.warm_start``, or ``--load``ed) and
     what to record about it."""
@@ -111,7 +104,7 @@ def measure(policy, args: argparse.Namespace) -> list[dict[str, Any]]:
     from ais_lightning.policy import Policy
     from ais_lightning.quant.recipes import RECIPES
     from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
-    from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.tasks import PromptDataModule, accuracy, batch_rewards
 
     task = make_task(args)
     samples = PromptDataModule(task, val_size=args.eval_prompts, seed=args.seed).val_samples()
@@ -130,7 +123,7 @@ def measure(policy, args: argparse.Namespace) -> list[dict[str, Any]]:
     for precision in args.precisions.split(","):
         t0 = time.perf_counter()
         engine = TorchRolloutEngine(policy.model, precision=precision)
-        acc = rewards_of(task, samples, engine.generate(prompts, greedy), tokenizer)
+        acc = batch_rewards(task, samples, engine.generate(prompts, greedy), tokenizer)[0]
         batch = engine.generate(prompts, sampled)
         mu, mask = batch.rollout_logprobs, batch.response_mask
         with torch.no_grad():
@@ -141,13 +134,14 @@ def measure(policy, args: argparse.Namespace) -> list[dict[str, Any]]:
         kl, se = clustered_kl(pi, mu, mask, batch.prompt_index)
         row = {
             "precision": precision,
-            "greedy_accuracy": sum(a >= 1.0 - 1e-6 for a in acc) / len(acc),
+            "greedy_accuracy": accuracy(acc),
             "kl_k3": float(k3.compute()),
             "kl_k3_se": se,
             "kl_k3_clustered": kl,
             "kl_k1": float(k1.compute()),
             "max_abs_dlogp": float((pi - mu)[mask].abs().max()) if bool(mask.any()) else 0.0,
-            "sampled_reward": sum(rewards_of(task, samples, batch, tokenizer)) / len(batch.finish_reason),
+            "sampled_reward": sum(batch_rewards(task, samples, batch, tokenizer)[0])
+            / len(batch.finish_reason),
             "tokens": int(mask.sum()),
         }
         if precision in RECIPES:  # QaRL: the trainer's forward emulates the engine's recipe

@@ -66,17 +66,11 @@ def sft(policy, data, steps: int, lr: float, seed: int, log_every: int = 100) ->
     return losses
 
 
-def rewards_of(task, samples, batch, tokenizer) -> list[float]:
-    """Task rewards of every row of ``batch`` (row ``i`` answers ``samples[batch.prompt_index[i]]``)."""
-    from ais_lightning.tasks import batch_rewards
-
-    return batch_rewards(task, samples, batch, tokenizer)[0]
-
-
 def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy accuracy, mismatch KL and sampled reward of every (remasking, precision) engine."""
     from ais_lightning.diagnostics import MismatchKL
     from ais_lightning.rollout.base import SamplingConfig
+    from ais_lightning.tasks import accuracy, batch_rewards
 
     tokenizer = policy.tokenizer
     prompts = policy.encode_prompts([s.prompt for s in samples])
@@ -97,7 +91,7 @@ def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, A
             engine = policy.build_engine(
                 precision, remasking=remasking, block_length=args.block_length, steps=args.denoise_steps
             )
-            acc = rewards_of(task, samples, engine.generate(prompts, greedy), tokenizer)
+            acc = batch_rewards(task, samples, engine.generate(prompts, greedy), tokenizer)[0]
             batch = engine.generate(prompts, sampled)
             with torch.no_grad():
                 pi = policy.batch_logprobs(batch, temperature=args.temperature).logprobs
@@ -110,12 +104,13 @@ def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, A
             row = {
                 "remasking": remasking,
                 "precision": precision,
-                "greedy_accuracy": sum(acc) / len(acc),
+                "greedy_accuracy": accuracy(acc),
                 "kl_k3": float(k3.compute()),
                 "kl_k3_se": float(per_token_k3.std() / math.sqrt(per_token_k3.numel())),
                 "kl_k1": float(k1.compute()),
                 "max_abs_dlogp": float((pi - mu).abs().max()),
-                "sampled_reward": sum(rewards_of(task, samples, batch, tokenizer)) / len(batch.finish_reason),
+                "sampled_reward": sum(batch_rewards(task, samples, batch, tokenizer)[0])
+                / len(batch.finish_reason),
                 "tokens": int(mask.sum()),
             }
             if remasking == "low_confidence" and args.selection:

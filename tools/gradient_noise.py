@@ -41,7 +41,7 @@ DEFAULT_OVERRIDES = ["experiment=paper_small", "rollout=fp4"]
 
 def _probe_class() -> type:
     from ais_lightning.modules.grpo import GRPOModule
-    from ais_lightning.trainer import probe_experience
+    from ais_lightning.probes import probe_experience
 
     class GradientProbe(GRPOModule):
         """GRPOModule whose training step records per-group gradients and leaves the weights as they are."""
@@ -84,7 +84,7 @@ def _probe_class() -> type:
 def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]:
     """φ and the quantities behind it for the composed config (``--batches`` rollout batches, fixed weights)."""
     from ais_lightning.diagnostics.gradient_noise import gradient_noise_scale
-    from ais_lightning.trainer import run_probe
+    from ais_lightning.probes import run_probe
 
     run = run_probe(overrides, batches, seed, _probe_class(), "gradient_noise")
     c, probe, warm = run.components, run.probe, run.warm
@@ -143,7 +143,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.trainer import probe_main
+    from ais_lightning.probes import probe_main
 
     description = __doc__.split("\n\n")[0]
     return probe_main(argv, description, DEFAULT_OVERRIDES, 8, measure, format_result)

@@ -19,6 +19,30 @@ new tokens unless ``--eval-max-new-tokens``). Prints a markdown table (KL: mean 
 the per-seed values), ``--json`` writes every number. Example (docs/real_model.md)::
 
     python tools/model_mismatch.py --json smollm2_kl.json -- policy=smollm2 task=arithmetic
+
+``--check`` is the model-alignment check to run on a new model (docs/correctors.md): the run's own engines,
+built as training builds them (``policy.fresh_model()`` + ``sync_weights``), at fp32 (the trainer-precision
+copy; the torch engine if the rollout engine has none) and at the rollout precision of the composed config,
+each scored as above plus NeMo-RL's ``token_mult_prob_error`` (``TokenMultProbError``), printed beside the
+peers' acceptance thresholds (NeMo-RL ``token_mult_prob_error`` <= 1.05, ``docs/adding-new-models.md``;
+prime-rl mean mismatch KL (k3) < 0.015, ``docs/development.md``) and this run's gate
+``algorithm.max_fp32_mult_prob_error``. Exit status 1 when the fp32 engine misses a threshold: at fp32 both
+sides compute the same model, so a miss is a bug in the model code, the weight sync or the log-prob
+processing. The rollout row is the low-precision mismatch the corrector handles, for information::
+
+    python tools/model_mismatch.py --check -- policy=smollm2 task=arithmetic rollout=fp8
+
+``--matched`` measures the trainer and the engine at the *same* precision, each row with its own copy of the
+policy cast to that dtype (the engine built from it, as training builds it from a policy of ``policy.dtype``):
+``PRECISION[:HEAD]`` with ``PRECISION`` in fp32 / bf16 / fp16 (``policy.dtype`` float32 / bfloat16 / float16 and
+``rollout=`` that precision) and ``HEAD`` the LM head's projection: ``model`` (default, the model dtype on both
+sides), ``fp32`` (``policy.head_dtype=float32`` and ``rollout.head_dtype=float32``), ``fp32-engine`` or
+``fp32-policy`` (fp32 on one side only, which ``ais-train`` warns about: measured to show why). ``--warm-start``
+scores the policy a run starts from (the built-in model's cached SFT warm start) instead of its initial weights;
+``--model-impl`` picks the engine's forward (its lean decode rounds differently from Hugging Face's at bf16/fp16).
+The table of docs/correctors.md::
+
+    python tools/model_mismatch.py --matched fp32,bf16,bf16:fp32,bf16:fp32-engine,fp16,fp16:fp32 --warm-start
 """
 
 from __future__ import annotations
@@ -37,6 +61,38 @@ import torch
 PRECISIONS = "fp32,bf16,int8,int8@0,fp8,fp8@0,fp4"
 """Default precisions: the trainer's own (fp32, should give ~0), bf16, int8 and fp8 with and without their
 default outlier channels, fp4 (NVFP4)."""
+
+MATCHED = "fp32,bf16,bf16:fp32,bf16:fp32-engine,bf16:fp32-policy,fp16,fp16:fp32,fp16:fp32-engine"
+"""Default ``--matched`` rows: each precision with the head in the model dtype and in fp32 on both sides, and the
+one-sided fp32 heads the config check warns about."""
+MATCHED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MATCHED_HEADS = {
+    "model": (False, False),
+    "fp32": (True, True),
+    "fp32-engine": (False, True),
+    "fp32-policy": (True, False),
+}
+"""``--matched`` head options: (policy head fp32, engine head fp32)."""
+
+THRESHOLDS = {
+    "token_mult_prob_error": (1.05, "<=", "NeMo-RL"),
+    "kl_k3": (0.015, "<", "prime-rl"),
+}
+"""The peers' acceptance of a new model: metric -> (threshold, comparison, peer). NeMo-RL investigates
+``token_mult_prob_error`` above 1.05 "for equal precision" (``docs/adding-new-models.md``); prime-rl
+merges a new model whose mean mismatch KL (k3, ``mismatch_kl``) over 20 steps stays below 0.015
+(``docs/development.md``)."""
+
+
+def passes(metric: str, value: float) -> bool:
+    """Whether ``value`` of ``metric`` meets the peer's threshold of :data:`THRESHOLDS`."""
+    threshold, op, _ = THRESHOLDS[metric]
+    return value <= threshold if op == "<=" else value < threshold
+
+
+def verdict(metric: str, value: float) -> str:
+    """``"pass"`` or ``"FAIL"`` against the peer's threshold of ``metric``."""
+    return "pass" if passes(metric, value) else "FAIL"
 
 
 def clustered_kl(
@@ -82,15 +138,20 @@ def task_rewards(task, samples, batch, tokenizer) -> list[float]:
 
 def sample_mismatch(policy, engine, task, samples, sampling) -> dict[str, Any]:
     """Sample ``samples``' prompts with ``engine`` and compare its log mu with the fp32 ``policy``'s log pi."""
+    from ais_lightning.diagnostics import TokenMultProbError
+
     batch = engine.generate(policy.encode_prompts([s.prompt for s in samples]), sampling)
     mu, mask = batch.rollout_logprobs, batch.response_mask
     with torch.no_grad():
         pi = policy.batch_logprobs(batch, temperature=sampling.temperature).logprobs
     kl, se = clustered_kl(pi, mu, mask, batch.prompt_index)
     rewards = task_rewards(task, samples, batch, policy.tokenizer)
+    mult = TokenMultProbError()
+    mult.update(pi, mu, mask)
     return {
         "kl_k3": kl,
         "kl_k3_se": se,
+        "token_mult_prob_error": float(mult.compute()),
         "max_abs_dlogp": float((pi - mu)[mask].abs().max()) if bool(mask.any()) else 0.0,
         "tokens": int(mask.sum()),
         "sampled_reward": sum(rewards) / len(rewards),
@@ -108,71 +169,195 @@ def greedy_accuracy(policy, engine, task, samples, max_new_tokens: int) -> float
     return sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards)
 
 
-def measure(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every precision of ``args.precisions``: the mismatch per seed, the sync time, the greedy accuracy."""
-    from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
+def measure_engine(policy, task, args: argparse.Namespace, label: str, build_engine) -> dict[str, Any]:
+    """One engine (``build_engine()``): the mismatch per seed of ``args.seeds``, sync time, greedy accuracy."""
+    from ais_lightning.rollout import SamplingConfig
     from ais_lightning.tasks import PromptDataModule
 
     stop = [policy.tokenizer.eos_token_id] if policy.tokenizer.eos_token_id is not None else []
     seeds = [int(s) for s in args.seeds.split(",")]
-    draws = {seed: PromptDataModule(task, val_size=args.prompts, seed=seed).val_samples() for seed in seeds}
     held_out = PromptDataModule(task, val_size=args.eval_prompts, seed=args.eval_seed).val_samples()
+    t0 = time.perf_counter()
+    engine = build_engine()
+    build = time.perf_counter() - t0
+    per_seed, syncs = [], []
+    for seed in seeds:
+        draw = PromptDataModule(task, val_size=args.prompts, seed=seed).val_samples()
+        sampling = SamplingConfig(
+            n=args.samples,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=stop,
+            seed=seed,
+        )
+        per_seed.append(sample_mismatch(policy, engine, task, draw, sampling))
+        t1 = time.perf_counter()
+        engine.sync_weights(policy.full_state_dict())
+        syncs.append(time.perf_counter() - t1)
+    kls = [r["kl_k3"] for r in per_seed]
+    row = {
+        "precision": label,
+        "backend": getattr(engine, "backend", None),
+        "outlier_fraction": getattr(engine, "outlier_fraction", 0.0) or 0.0,
+        "kl_k3": statistics.fmean(kls),
+        "kl_k3_min": min(kls),
+        "kl_k3_max": max(kls),
+        "kl_k3_se": math.sqrt(sum(r["kl_k3_se"] ** 2 for r in per_seed)) / len(per_seed),
+        "token_mult_prob_error": statistics.fmean(r["token_mult_prob_error"] for r in per_seed),
+        "max_abs_dlogp": max(r["max_abs_dlogp"] for r in per_seed),
+        "sampled_reward": statistics.fmean(r["sampled_reward"] for r in per_seed),
+        "greedy_accuracy": greedy_accuracy(policy, engine, task, held_out, args.eval_max_new_tokens),
+        "build_s": build,
+        "sync_s": statistics.median(syncs),
+        "per_seed": per_seed,
+    }
+    print(
+        f"{label:>10}: KL k3 {row['kl_k3']:.2e} (seeds {row['kl_k3_min']:.1e}..{row['kl_k3_max']:.1e}, s.e. "
+        f"{row['kl_k3_se']:.1e})  token_mult_prob_error {row['token_mult_prob_error']:.4f}  max |dlogp| "
+        f"{row['max_abs_dlogp']:.2f}  greedy acc {row['greedy_accuracy']:.3f}  build {build:.1f} s  sync "
+        f"{row['sync_s']:.2f} s",
+        flush=True,
+    )
+    del engine
+    return row
+
+
+def measure(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every precision of ``args.precisions`` on the torch engine (see :func:`measure_engine`)."""
+    from ais_lightning.rollout import TorchRolloutEngine
+
     rows = []
     for spec in args.precisions.split(","):
         precision, extra = parse_precision(spec)
-        t0 = time.perf_counter()
-        engine = TorchRolloutEngine(policy.model, precision=precision, **extra)
-        build = time.perf_counter() - t0
-        per_seed, syncs = [], []
-        for seed in seeds:
-            sampling = SamplingConfig(
-                n=args.samples,
-                temperature=args.temperature,
-                max_new_tokens=args.max_new_tokens,
-                stop_token_ids=stop,
-                seed=seed,
-            )
-            per_seed.append(sample_mismatch(policy, engine, task, draws[seed], sampling))
-            t1 = time.perf_counter()
-            engine.sync_weights(policy.full_state_dict())
-            syncs.append(time.perf_counter() - t1)
-        kls = [r["kl_k3"] for r in per_seed]
-        row = {
-            "precision": spec,
-            "backend": engine.backend,
-            "outlier_fraction": engine.outlier_fraction,
-            "kl_k3": statistics.fmean(kls),
-            "kl_k3_min": min(kls),
-            "kl_k3_max": max(kls),
-            "kl_k3_se": math.sqrt(sum(r["kl_k3_se"] ** 2 for r in per_seed)) / len(per_seed),
-            "max_abs_dlogp": max(r["max_abs_dlogp"] for r in per_seed),
-            "sampled_reward": statistics.fmean(r["sampled_reward"] for r in per_seed),
-            "greedy_accuracy": greedy_accuracy(policy, engine, task, held_out, args.eval_max_new_tokens),
-            "build_s": build,
-            "sync_s": statistics.median(syncs),
-            "per_seed": per_seed,
-        }
-        rows.append(row)
-        print(
-            f"{spec:>10}: KL k3 {row['kl_k3']:.2e} (seeds {row['kl_k3_min']:.1e}..{row['kl_k3_max']:.1e}, s.e. "
-            f"{row['kl_k3_se']:.1e})  max |dlogp| {row['max_abs_dlogp']:.2f}  greedy acc {row['greedy_accuracy']:.3f}"
-            f"  build {build:.1f} s  sync {row['sync_s']:.2f} s",
-            flush=True,
-        )
-        del engine
+        build = lambda: TorchRolloutEngine(policy.model, precision=precision, **extra)  # noqa: B023, E731
+        rows.append(measure_engine(policy, task, args, spec, build))
     return rows
+
+
+def parse_matched(spec: str) -> tuple[str, bool, bool]:
+    """``"bf16:fp32-engine"`` -> ``("bf16", False, True)``: the precision, and whether the policy's and the engine's
+    LM head compute in fp32."""
+    precision, _, head = spec.partition(":")
+    head = head or "model"
+    if precision not in MATCHED_DTYPES or head not in MATCHED_HEADS:
+        raise ValueError(
+            f"--matched row {spec!r}: PRECISION[:HEAD] with PRECISION in {list(MATCHED_DTYPES)} and HEAD in "
+            f"{list(MATCHED_HEADS)}"
+        )
+    return (precision, *MATCHED_HEADS[head])
+
+
+def matched_policy(policy, dtype: torch.dtype, head_float32: bool):
+    """A copy of ``policy`` with its model cast to ``dtype`` and the head's projection in fp32 or not."""
+    import copy
+
+    from ais_lightning.policy import Policy
+
+    return Policy(
+        copy.deepcopy(policy.model).to(dtype),
+        policy.tokenizer,
+        policy.logprob_chunk_size,
+        chat_template=policy.chat_template,
+        head_dtype="float32" if head_float32 else None,
+    ).eval()
+
+
+def measure_matched(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every row of ``args.matched``: trainer and engine at one precision (see the module docstring)."""
+    import functools
+
+    from ais_lightning.rollout import TorchRolloutEngine
+
+    rows = []
+    for spec in args.matched.split(","):
+        precision, policy_head, engine_head = parse_matched(spec)
+        row_policy = matched_policy(policy, MATCHED_DTYPES[precision], policy_head)
+        head = "float32" if engine_head else None
+        build = functools.partial(
+            TorchRolloutEngine,
+            row_policy.model,
+            precision=precision,
+            head_dtype=head,
+            model_impl=args.model_impl,
+        )
+        row = measure_engine(row_policy, task, args, spec, build)
+        row.update(policy_head_fp32=policy_head, engine_head_fp32=engine_head)
+        rows.append(row)
+    return rows
+
+
+def matched_markdown(rows: list[dict[str, Any]]) -> str:
+    """Markdown of :func:`measure_matched`'s rows."""
+    head = {(False, False): "model dtype", (True, True): "fp32, both sides"}
+    lines = [
+        "| trainer and engine | LM head | KL k3 (mean over seeds) | per-seed range | s.e. | token_mult_prob_error | "
+        "max abs dlogp | greedy accuracy |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        sides = (r["policy_head_fp32"], r["engine_head_fp32"])
+        where = head.get(sides, "fp32, engine only" if sides[1] else "fp32, policy only")
+        lines.append(
+            f"| `{r['precision'].partition(':')[0]}` | {where} | {r['kl_k3']:.2e} | {r['kl_k3_min']:.1e} .. "
+            f"{r['kl_k3_max']:.1e} | {r['kl_k3_se']:.1e} | {r['token_mult_prob_error']:.5f} | "
+            f"{r['max_abs_dlogp']:.3g} | {r['greedy_accuracy']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def run_engine(policy, factory):
+    """An engine built as ``GRPOModule`` builds it: ``factory`` on a fresh model, then the policy's weights."""
+    engine = factory(policy.fresh_model())
+    engine.sync_weights(policy.full_state_dict())
+    return engine
+
+
+def check(policy, c, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The alignment check: the run's trainer-precision engine (fp32) and its rollout engine, in that order."""
+    import functools
+
+    from ais_lightning.rollout import TorchRolloutEngine
+
+    fp32 = c.eval_engine or functools.partial(TorchRolloutEngine, precision="fp32")
+    rollout_name = (getattr(c.engine, "keywords", None) or {}).get("precision", "rollout")
+    fp32_label = "fp32" if c.eval_engine is not None else "fp32 (torch)"
+    return [
+        measure_engine(policy, c.task, args, fp32_label, lambda: run_engine(policy, fp32)),
+        measure_engine(policy, c.task, args, f"{rollout_name}", lambda: run_engine(policy, c.engine)),
+    ]
+
+
+def alignment_table(rows: list[dict[str, Any]], gate: float | None) -> str:
+    """Markdown: each engine's token_mult_prob_error and mismatch KL beside the peers' thresholds, our gate."""
+    gate_text = f"<= {gate:g}" if gate is not None else "off"
+    lines = [
+        "| engine | token_mult_prob_error | NeMo-RL (<= 1.05) | ours: algorithm.max_fp32_mult_prob_error | "
+        "mismatch KL k3 | prime-rl (< 0.015) | max abs dlogp |",
+        "| --- | ---: | --- | --- | ---: | --- | ---: |",
+    ]
+    for i, r in enumerate(rows):
+        mult, kl = r["token_mult_prob_error"], r["kl_k3"]
+        ours = gate_text if i == 0 else "(fp32 only)"
+        if i == 0 and gate is not None:
+            ours += " pass" if mult <= gate else " FAIL"
+        lines.append(
+            f"| `{r['precision']}` | {mult:.5f} | {verdict('token_mult_prob_error', mult)} | {ours} | "
+            f"{kl:.2e} | {verdict('kl_k3', kl)} | {r['max_abs_dlogp']:.3g} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| precision | outlier channels | KL k3 (mean over seeds) | per-seed range | s.e. | max abs dlogp | "
-        "greedy accuracy | sampled reward | build s | sync s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| precision | outlier channels | KL k3 (mean over seeds) | per-seed range | s.e. | token_mult_prob_error | "
+        "max abs dlogp | greedy accuracy | sampled reward | build s | sync s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| `{r['precision']}` | {r['outlier_fraction']:g} | {r['kl_k3']:.2e} | {r['kl_k3_min']:.1e} .. "
-            f"{r['kl_k3_max']:.1e} | {r['kl_k3_se']:.1e} | {r['max_abs_dlogp']:.2f} | {r['greedy_accuracy']:.3f} | "
+            f"{r['kl_k3_max']:.1e} | {r['kl_k3_se']:.1e} | {r['token_mult_prob_error']:.4f} | "
+            f"{r['max_abs_dlogp']:.2f} | {r['greedy_accuracy']:.3f} | "
             f"{r['sampled_reward']:.3f} | {r['build_s']:.1f} | {r['sync_s']:.2f} |"
         )
     return "\n".join(lines)
@@ -186,6 +371,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], epilog="After --: ais-train overrides (policy=..., task=...)."
     )
     p.add_argument("--precisions", default=PRECISIONS, help="comma-separated; precision[@outlier_fraction]")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="alignment check: the run's fp32 engine and its rollout engine beside the peers' thresholds "
+        "(exit 1 when fp32 misses one); ignores --precisions",
+    )
+    p.add_argument(
+        "--matched",
+        nargs="?",
+        const=MATCHED,
+        default=None,
+        help="trainer and engine at the same precision: comma-separated PRECISION[:HEAD] rows (default rows: "
+        f"{MATCHED}); ignores --precisions",
+    )
+    p.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "lean", "transformers"],
+        help="--matched: the torch engine's forward (rollout.model_impl)",
+    )
+    p.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="score the policy a run starts from (the built-in model's cached warm start), not its initial weights",
+    )
     p.add_argument("--seeds", default="0,1,2", help="comma-separated: one prompt draw and sampling seed each")
     p.add_argument("--prompts", type=int, default=16, help="prompts per seed")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
@@ -212,17 +422,40 @@ def main(argv: list[str] | None = None) -> int:
     c = validate(cfg)
     if args.eval_max_new_tokens is None:
         args.eval_max_new_tokens = c.algorithm.max_new_tokens
-    policy = c.policy.build(cfg.seed).eval()
+    if args.warm_start:
+        policy, _ = c.initial_policy(cfg.seed, progress_bar=True)
+        policy.eval()
+    else:
+        policy = c.policy.build(cfg.seed).eval()
     print(
         f"policy {cfg.policy._target_} ({sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M), task "
         f"{type(c.task).__name__} format {getattr(c.task, 'format', '-')}, torch threads {torch.get_num_threads()}"
     )
-    rows = measure(policy, c.task, args)
+    if args.check:
+        rows = check(policy, c, args)
+    elif args.matched:
+        rows = measure_matched(policy, c.task, args)
+    else:
+        rows = measure(policy, c.task, args)
     print()
-    print(markdown(rows))
+    print(matched_markdown(rows) if args.matched and not args.check else markdown(rows))
+    status = 0
+    if args.check:
+        gate = c.algorithm.max_fp32_mult_prob_error
+        print()
+        print(alignment_table(rows, gate))
+        fp32 = rows[0]
+        status = 0 if all(passes(m, fp32[m]) for m in THRESHOLDS) else 1
+        verdict = (
+            "pass" if status == 0 else "FAIL (the model code, the weight sync or the log-prob processing)"
+        )
+        print(
+            f"\nfp32 alignment: {verdict}. The rollout row ({rows[1]['precision']}) is the low-precision "
+            "mismatch the corrector handles; the peers' thresholds are for a model at its training precision."
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def run_segment(cfg: Any) -> dict[str, Any]:
     import lightning as L
 
     from ais_lightning.build import validate
-    from ais_lightning.trainer import measuring_trainer
+    from ais_lightning.probes import measuring_trainer
 
     c = validate(cfg)
     if c.trainer.strategy != "auto" or c.warmstart.enabled:

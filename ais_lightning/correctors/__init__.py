@@ -41,7 +41,7 @@ CORRECTORS: dict[str, type[Corrector]] = {
     "ais_v1": AISv1,
 }
 """Config names of the correctors (``build_corrector``)."""
-CORRECTORS.update(  # the peers' correctors (issue #15); docs/correctors.md maps each to its peer
+CORRECTORS.update(  # the peers' correctors; docs/correctors.md maps each to its peer
     rs=DivergenceRejection,
     tis_bn=BatchNormalizedTIS,
     icepop=IcePop,

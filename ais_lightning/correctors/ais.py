@@ -570,6 +570,19 @@ class AIS(MixingCorrector):
 
     Extra stats ``ais/<key>`` for every key of ``AIS_COMPONENTS`` (``ais/lambda`` is the applied
     value, after ``fixed_lambda`` or the EMA).
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.correctors import AIS
+        >>> _ = torch.manual_seed(0)
+        >>> train = -1.0 + 0.1 * torch.randn(8, 16)  # log pi_old of 8 responses x 16 tokens [B, T]
+        >>> rollout = train + 0.3 * torch.randn(8, 16)  # log mu: a noisy low-precision engine
+        >>> out = AIS()(train, rollout, torch.ones(8, 16, dtype=torch.bool),
+        ...             advantages=torch.randn(8), entropy=torch.full((8, 16), 0.5))
+        >>> round(out.stats["ais/lambda"], 2)  # most of the way from "none" (0) to TIS (1)
+        0.9
+        >>> out.weights.shape
+        torch.Size([8, 16])
     """
 
     logged = AIS_COMPONENTS[1:]

@@ -23,6 +23,17 @@ class MIS(Corrector):
         c_high: upper acceptance bound >= 1.
         veto: optional threshold in (0, 1]: a response with ANY valid token ratio below ``veto``
             is rejected whole, whatever the level (catastrophic-token veto).
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.correctors import MIS
+        >>> train = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))  # log pi_old [B=1, T=3]
+        >>> rollout = torch.log(torch.tensor([[0.1, 0.9, 0.4]]))  # log mu: ratios 5, 1, 0.5
+        >>> out = MIS(c_low=0.6, c_high=2.0)(train, rollout, torch.ones(1, 3, dtype=torch.bool))
+        >>> out.mask  # only the ratio inside [0.6, 2] stays in the loss and its denominator
+        tensor([[False,  True, False]])
+        >>> out.weights
+        tensor([[0., 1., 0.]])
     """
 
     def __init__(

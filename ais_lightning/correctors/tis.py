@@ -21,6 +21,17 @@ class TIS(Corrector):
             response, broadcast to its tokens) or ``"geometric"`` (geometric mean, broadcast).
         c_high: upper truncation C >= 1.
         c_low: optional lower truncation in [0, 1]; None = no lower bound.
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.correctors import TIS
+        >>> train = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))  # log pi_old of the sampled tokens [B=1, T=3]
+        >>> rollout = torch.log(torch.tensor([[0.1, 0.9, 0.4]]))  # log mu of the same tokens
+        >>> out = TIS(c_high=2.0)(train, rollout, torch.ones(1, 3, dtype=torch.bool))
+        >>> out.weights  # ratios 5, 1, 0.5: the first truncated to C = 2
+        tensor([[2.0000, 1.0000, 0.5000]])
+        >>> round(out.stats["corrector/clipped_frac"], 4)
+        0.3333
     """
 
     def __init__(self, level: str = "token", c_high: float = 2.0, c_low: float | None = None) -> None:

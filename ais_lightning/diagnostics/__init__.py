@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 from ais_lightning.diagnostics.ais_coefficient import AISCoefficient
+from ais_lightning.diagnostics.alignment import (
+    JensenShannon,
+    MismatchKLStatistic,
+    ProbabilityCorrelation,
+    ProbabilityDiff,
+    ReverseKL,
+    SequenceMultProbError,
+    TokenMultProbError,
+    sequence_mult_prob_error,
+)
 from ais_lightning.diagnostics.collection import MismatchDiagnostics
 from ais_lightning.diagnostics.correction import CorrectionFraction
 from ais_lightning.diagnostics.entropy import TokenEntropy
@@ -26,14 +36,22 @@ __all__ = [
     "CorrectionFraction",
     "EffectiveSampleSize",
     "ErrorTokenRate",
+    "JensenShannon",
     "LogPerplexityDiff",
     "MismatchDiagnostics",
     "MismatchKL",
+    "MismatchKLStatistic",
     "PSISKHat",
     "PerplexityRatio",
+    "ProbabilityCorrelation",
+    "ProbabilityDiff",
     "RatioStatistic",
+    "ReverseKL",
     "SequencePerplexity",
+    "SequenceMultProbError",
     "SequenceRatioStatistic",
     "TokenEntropy",
+    "TokenMultProbError",
     "repeat_token_mask",
+    "sequence_mult_prob_error",
 ]

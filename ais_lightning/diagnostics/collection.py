@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torchmetrics import Metric, MetricCollection
 
 from ais_lightning.correctors.ais import ais_params
 from ais_lightning.diagnostics.ais_coefficient import AISCoefficient
+from ais_lightning.diagnostics.alignment import (
+    JensenShannon,
+    MismatchKLStatistic,
+    ProbabilityCorrelation,
+    ProbabilityDiff,
+    ReverseKL,
+    SequenceMultProbError,
+    TokenMultProbError,
+)
 from ais_lightning.diagnostics.mismatch import (
     ChiSquare,
     EffectiveSampleSize,
@@ -20,7 +30,9 @@ from ais_lightning.diagnostics.psis import PSISKHat
 from ais_lightning.diagnostics.weights import AbsLogRatio, ClippedRatioMoment, SequenceRatioStatistic
 
 
-def MismatchDiagnostics(prefix: str = "mismatch/", c: float = 2.0, **metric_kwargs: Any) -> MetricCollection:  # noqa: N802
+def MismatchDiagnostics(  # noqa: N802
+    prefix: str = "mismatch/", c: float = 2.0, tasks: Sequence[str] = (), **metric_kwargs: Any
+) -> MetricCollection:
     """All mismatch metrics with ``update(train_logprobs, rollout_logprobs, mask)``, as one collection.
 
     Stable names (each prefixed with ``prefix``): ``kl_k1``, ``kl_k3``, ``chi2_token``, ``chi2_seq``,
@@ -33,9 +45,18 @@ def MismatchDiagnostics(prefix: str = "mismatch/", c: float = 2.0, **metric_kwar
     ``seq_ratio_max``, ``seq_ratio_min``, ``seq_ratio_max_deviation``, ``seq_ratio_frac_above``,
     ``seq_ratio_frac_below`` (``SequenceRatioStatistic``), ``abs_log_ratio_mean``,
     ``abs_log_ratio_max`` (``AbsLogRatio``), and the Pareto k-hat ``psis_khat`` / ``psis_khat_seq``
-    (``PSISKHat``, > 0.7: IS unreliable). ``c`` is the clip bound C for the ratio fractions and
+    (``PSISKHat``, > 0.7: IS unreliable); the alignment metrics of NeMo-RL, verl and prime-rl
+    (``ais_lightning.diagnostics.alignment``): ``token_mult_prob_error`` (``TokenMultProbError``),
+    ``seq_mult_prob_error_max``, ``_mean``, ``_min`` (``SequenceMultProbError``), ``kl_reverse``
+    (``ReverseKL("is_k3")``), ``policy_kl_error`` (``ReverseKL("swapped_k3")``), ``js``
+    (``JensenShannon("is")``), ``js_divergence_error`` (``JensenShannon("log_cosh")``),
+    ``probs_diff_mean``, ``probs_diff_max``, ``probs_diff_std`` (``ProbabilityDiff``), ``probs_pearson``
+    (``ProbabilityCorrelation``), ``kl_k3_std``, ``kl_k3_max`` (``MismatchKLStatistic``). NeMo-RL's
+    ``gen_kl_error`` is ``kl_k3``. ``c`` is the clip bound C for the ratio fractions and
     clamps, and the truncation C of ``ais_lambda`` (other AIS hyper-parameters keep their
-    defaults). ``metric_kwargs`` (e.g. ``sync_on_compute``) go to every metric.
+    defaults). ``tasks``: task names; each adds ``by_task/<task>/kl_k3_mean``, ``_std`` and ``_max``
+    (prime-rl's ``mismatch_kl/<env>/...``), and ``update`` then needs ``tasks=`` (one name per row).
+    ``metric_kwargs`` (e.g. ``sync_on_compute``) go to every metric.
 
     ``collection.update(train_logprobs, rollout_logprobs, mask, advantages=..., entropy=..., impurity=...)``
     is accepted: torchmetrics passes each metric only the keyword arguments its ``update`` takes. Pass the
@@ -44,6 +65,17 @@ def MismatchDiagnostics(prefix: str = "mismatch/", c: float = 2.0, **metric_kwar
     ``compute_groups=False``: torchmetrics merges metrics whose states are equal after the first
     update (e.g. ``kl_k1`` and ``ppl_ratio`` both start from sums that are 0 when pi = mu), which
     would silently make them share one state.
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.diagnostics import MismatchDiagnostics
+        >>> metrics = MismatchDiagnostics()
+        >>> train = torch.log(torch.tensor([[0.5, 0.25]]))  # log pi [B=1, T=2]
+        >>> rollout = torch.log(torch.tensor([[0.25, 0.25]]))  # log mu
+        >>> metrics.update(train, rollout, torch.ones(1, 2, dtype=torch.bool), entropy=torch.ones(1, 2))
+        >>> values = metrics.compute()
+        >>> round(values["mismatch/kl_k3"].item(), 4), round(values["mismatch/token_mult_prob_error"].item(), 2)
+        (0.1534, 1.5)
     """
     metrics: dict[str, Metric] = {
         "kl_k1": MismatchKL("k1", **metric_kwargs),
@@ -75,4 +107,23 @@ def MismatchDiagnostics(prefix: str = "mismatch/", c: float = 2.0, **metric_kwar
         metrics[f"abs_log_ratio_{stat}"] = AbsLogRatio(stat, **metric_kwargs)
     metrics["psis_khat"] = PSISKHat("token", **metric_kwargs)
     metrics["psis_khat_seq"] = PSISKHat("sequence", **metric_kwargs)
+    metrics["token_mult_prob_error"] = TokenMultProbError(**metric_kwargs)
+    for stat in ("max", "mean", "min"):
+        metrics[f"seq_mult_prob_error_{stat}"] = SequenceMultProbError(stat, **metric_kwargs)
+    metrics["kl_reverse"] = ReverseKL("is_k3", **metric_kwargs)
+    metrics["policy_kl_error"] = ReverseKL("swapped_k3", **metric_kwargs)
+    metrics["js"] = JensenShannon("is", **metric_kwargs)
+    metrics["js_divergence_error"] = JensenShannon("log_cosh", **metric_kwargs)
+    for stat in ("mean", "max", "std"):
+        metrics[f"probs_diff_{stat}"] = ProbabilityDiff(stat, **metric_kwargs)
+    metrics["probs_pearson"] = ProbabilityCorrelation(**metric_kwargs)
+    for stat in ("std", "max"):
+        metrics[f"kl_k3_{stat}"] = MismatchKLStatistic(stat, **metric_kwargs)
+    if isinstance(tasks, str):
+        raise ValueError(f"tasks must be a sequence of task names, got the string {tasks!r}")
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"tasks has duplicate names: {list(tasks)}")
+    for task in tasks:
+        for stat in ("mean", "std", "max"):
+            metrics[f"by_task/{task}/kl_k3_{stat}"] = MismatchKLStatistic(stat, task=task, **metric_kwargs)
     return MetricCollection(metrics, prefix=prefix, compute_groups=False)

@@ -40,6 +40,16 @@ class MismatchKL(LogRatioMeanMetric):
     - ``k3`` = mean(w - 1 - delta): unbiased and >= 0 per token (e^x >= 1 + x), low variance.
 
     0.0 when no valid token was seen (and whenever pi = mu).
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.diagnostics import MismatchKL
+        >>> train = torch.log(torch.tensor([[0.5, 0.25]]))  # log pi of two sampled tokens [B=1, T=2]
+        >>> rollout = torch.log(torch.tensor([[0.25, 0.25]]))  # log mu: w = 2 and 1
+        >>> kl = MismatchKL("k3")
+        >>> kl.update(train, rollout, torch.ones(1, 2, dtype=torch.bool))
+        >>> round(kl.compute().item(), 4)  # ((2 - 1 - ln 2) + 0) / 2
+        0.1534
     """
 
     higher_is_better = False

@@ -14,11 +14,13 @@ import torch
 from ais_lightning.losses.advantages import ADVANTAGE_SCALES, group_advantages
 from ais_lightning.losses.grpo import (
     AGGREGATIONS,
+    KL_RATIOS,
     MODES,
     GRPOLoss,
     LossOutput,
     aggregate,
     check_identity_weights,
+    importance_ratio,
 )
 from ais_lightning.losses.tbpo import TBPOLoss, geometric_log_ratio
 
@@ -49,6 +51,16 @@ class PolicyLoss(Protocol):
         rollout_logprobs: torch.Tensor | None = None,
     ) -> LossOutput: ...
 
+    def denominator(
+        self,
+        mask: torch.Tensor,
+        old_logprobs: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What the loss of a batch divides by (at least 1): micro-batches of the batch that each pass it as
+        ``denominator`` have losses (and ``LossOutput.shares`` stats) that add up to the batch's."""
+        ...
+
 
 LOSSES: dict[str, type[torch.nn.Module]] = {"grpo": GRPOLoss, "tbpo": TBPOLoss}
 """Config names of the built-in losses (``conf/loss``)."""
@@ -56,6 +68,7 @@ LOSSES: dict[str, type[torch.nn.Module]] = {"grpo": GRPOLoss, "tbpo": TBPOLoss}
 __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
+    "KL_RATIOS",
     "LOSSES",
     "MODES",
     "GRPOLoss",
@@ -66,4 +79,5 @@ __all__ = [
     "check_identity_weights",
     "geometric_log_ratio",
     "group_advantages",
+    "importance_ratio",
 ]

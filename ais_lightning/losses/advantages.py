@@ -10,6 +10,13 @@ Standard deviations here are *population* stds (``unbiased=False``, divide by n)
 defined for ``group_size=1`` and bound ``|A| <= sqrt(group_size - 1)``. TRL and verl use the
 Bessel-corrected std (divide by n - 1), which is ``sqrt(n / (n - 1))`` times larger, so their
 advantages are that factor smaller; the difference is a constant per group size.
+
+``valid`` drops responses before the advantages: a dropped response gets advantage 0 and leaves its
+group's mean and std (and the batch std), so removing it from the loss does not shift the baseline of the
+responses that stay. NeMo-RL's ``seq_logprob_error_threshold`` drops responses before its advantages too
+(``nemo_rl/algorithms/grpo.py``), but its GRPO estimator computes the baseline with
+``torch.ones_like(rewards)`` as the valid mask (``nemo_rl/algorithms/advantage_estimator.py``), so there a
+dropped response still enters its group's baseline.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ ADVANTAGE_SCALES = ("group", "batch", "none")
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages of ``rewards`` relative to their group.  # [B]
 
@@ -32,9 +43,12 @@ def group_advantages(
             ``"batch"``: ``(r - group mean) / (std of all B rewards + eps)`` (TRL's batch scaling);
             ``"none"``: ``r - group mean`` (Dr. GRPO, no scaling).
         eps: added to the std before dividing; ``>= 0``.
+        valid: ``[B]`` bool, the responses that stay (None: all). A dropped response gets advantage 0 and
+            enters neither its group's mean and std nor the batch std (module doc).
 
     A group whose rewards are all equal gets an advantage of exactly 0 (never NaN, whatever ``eps``),
-    which includes every group when ``group_size == 1``. Stds are population stds (see module doc).
+    which includes every group when ``group_size == 1``; with ``valid``, a group whose kept rewards are all
+    equal (or with fewer than 2 kept) likewise. Stds are population stds (see module doc).
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
@@ -54,6 +68,15 @@ def group_advantages(
         raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor):
+            raise ValueError(f"valid must be a torch.Tensor, got {type(valid).__name__}")
+        if valid.dtype != torch.bool or valid.shape != rewards.shape:
+            raise ValueError(
+                f"valid must be a bool tensor of the rewards' shape {tuple(rewards.shape)}, got shape "
+                f"{tuple(valid.shape)} dtype {valid.dtype}"
+            )
+        return _kept_group_advantages(rewards.detach(), group_size, scale, eps, valid)
 
     grouped = rewards.detach().view(-1, group_size)  # [G, n]
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # [G, n]
@@ -64,4 +87,29 @@ def group_advantages(
     # Equal rewards: the mean of n copies of r need not round back to r; force exact zeros.
     constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [G, 1]
     centered = torch.where(constant, torch.zeros_like(centered), centered)
+    return centered.reshape(-1)  # [B]
+
+
+def _kept_group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str, eps: float, valid: torch.Tensor
+) -> torch.Tensor:
+    """``group_advantages`` over the ``valid`` rows only; dropped rows get 0.  # [B]"""
+    grouped = rewards.view(-1, group_size)  # [G, n]
+    keep = valid.view(-1, group_size)  # [G, n]
+    kept = keep.to(grouped.dtype)  # [G, n]
+    count = kept.sum(dim=1, keepdim=True)  # [G, 1]
+    mean = (grouped * kept).sum(dim=1, keepdim=True) / count.clamp(min=1.0)  # [G, 1]
+    centered = (grouped - mean) * kept  # [G, n], 0 on dropped rows
+    if scale == "group":
+        std = ((centered**2).sum(dim=1, keepdim=True) / count.clamp(min=1.0)).sqrt()  # [G, 1]
+        centered = centered / (std + eps)
+    elif scale == "batch":
+        n_kept = kept.sum().clamp(min=1.0)
+        batch_mean = (rewards * valid).sum() / n_kept
+        batch_std = ((((rewards - batch_mean) * valid) ** 2).sum() / n_kept).sqrt()
+        centered = centered / (batch_std + eps)
+    high = torch.where(keep, grouped, -torch.inf).amax(dim=1, keepdim=True)  # [G, 1], max kept reward
+    low = torch.where(keep, grouped, torch.inf).amin(dim=1, keepdim=True)  # [G, 1], min kept reward
+    constant = (count < 2) | (high == low)  # [G, 1]
+    centered = torch.where(constant | ~keep, torch.zeros_like(centered), centered)
     return centered.reshape(-1)  # [B]

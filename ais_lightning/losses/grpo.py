@@ -6,13 +6,31 @@ the asymmetric clip of DAPO (Yu et al. 2025, arXiv 2503.14476), per valid token:
     r  = exp(log pi_theta - log pi_old)
     pg = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
     pg = min(pg, -dual_clip * A)            if A < 0 and dual_clip is set
-    loss = agg(weights * pg) + kl_coef * agg(k3(pi_theta, ref)) - entropy_coef * agg(entropy)
+    loss = agg(weights * pg) + kl_coef * agg(v * k3(pi_theta, ref)) - entropy_coef * agg(entropy)
            + mismatch_penalty_coef * agg((log pi_theta - log mu)^2)      (prime-rl's penalty, off by default)
+    v = 1 (kl_ratio="none"), pi_theta / pi_old ("old") or pi_theta / mu ("rollout")
 
 Dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL" (arXiv 1912.09729);
 verl's ``clip_ratio_c``. It bounds the loss of a negative-advantage token whose ratio has exploded.
 k3 KL estimator (Schulman 2020, "Approximating KL Divergence"): ``exp(ref - logp) - (ref - logp) - 1``,
 an unbiased, non-negative per-token estimate of KL(pi_theta || ref) under samples from pi_theta.
+
+The rollout's tokens are sampled by mu, not pi_theta, so k3 alone estimates E_mu[k3], not the KL.
+``kl_ratio`` weights it by an importance ratio v (DeepSeek-V3.2's "unbiased KL estimate", arXiv
+2512.02556), computed from pi_theta *with* its gradient, as all three peers do: per token the gradient
+of v * k3 is then v * log(pi_theta / ref) * grad log pi_theta (score-function term included), whose
+expectation under mu is the gradient of KL(pi_theta || ref) when v = pi_theta / mu:
+
+* ``"rollout"``: v = pi_theta / mu, the ratio to the policy that sampled the tokens: E_mu[v k3] =
+  KL(pi_theta || ref) exactly. NeMo-RL ``use_on_policy_kl_approximation`` (``nemo_rl/algorithms/loss/
+  loss_functions.py``: ``exp(curr_logprobs - generation_logprobs)``); slime ``--use-unbiased-kl`` with
+  ``--use-rollout-logprobs``.
+* ``"old"``: v = pi_theta / pi_old. TRL ``use_bias_correction_kl`` (``trl/trainer/grpo_trainer.py``:
+  ``coef_1 = exp(per_token_logps - old_per_token_logps)``, token level; TRL's ``old_per_token_logps`` is the
+  trainer's, its rollout mismatch is corrected separately) and slime ``--use-unbiased-kl``
+  (``slime/backends/megatron_utils/loss.py``: ``exp(log_probs - old_log_probs)``, the trainer's old
+  log-probs by default). It corrects the drift of pi_theta over several updates, not the rollout
+  mismatch pi_old / mu. In bypass mode pi_old is mu, so "old" is "rollout".
 
 Two ways to use the rollout policy mu (the low-precision engine), following verl's rollout
 correction docs ("decoupled" vs "bypass" mode) and Fu et al. 2025, "AReaL" (arXiv 2505.24298),
@@ -48,6 +66,7 @@ from ais_lightning.ops import LOG_RATIO_CLAMP, check_mask, check_token_tensor, m
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MODES = ("decoupled", "bypass")
+KL_RATIOS = ("none", "old", "rollout")
 
 
 @dataclass
@@ -58,6 +77,9 @@ class LossOutput:
     """Scalar loss, differentiable w.r.t. ``logprobs`` (and ``entropy`` when ``entropy_coef != 0``)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Detached scalars, keys ``loss/...`` (see :class:`GRPOLoss`)."""
+    shares: frozenset[str] = frozenset()
+    """The stats that are this call's share of the batch's value when the call got the batch's
+    ``denominator``: over the micro-batches of one batch they add up (the others are per-call means)."""
 
 
 def aggregate(
@@ -98,6 +120,19 @@ def aggregate(
     return total / count.clamp(min=1).to(x.dtype)
 
 
+def aggregation_count(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """The count :func:`aggregate` divides by for ``mask`` ``[B, T]``, at least 1 (a 0-dim long tensor)."""
+    if aggregation == "token-mean":
+        count = mask.sum()
+    elif aggregation == "seq-mean-token-mean":
+        count = mask.any(dim=-1).sum()
+    elif aggregation == "seq-mean-token-sum-norm":
+        count = torch.tensor(mask.shape[0], device=mask.device)
+    else:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    return count.clamp(min=1)
+
+
 def check_policy_loss_inputs(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
@@ -116,6 +151,17 @@ def check_policy_loss_inputs(
         advantages = advantages.unsqueeze(-1).expand(mask.shape)  # [B, T]
     check_token_tensor(advantages, "advantages", mask)
     return advantages
+
+
+def importance_ratio(logprobs: torch.Tensor, base_logprobs: torch.Tensor) -> torch.Tensor:
+    """exp(clamp(logprobs - base_logprobs, +-20)), differentiable in ``logprobs``.  # [B, T]
+
+    The weight of ``GRPOLoss``'s importance-weighted KL (``kl_ratio``): ``logprobs`` = log pi_theta (with
+    grad), ``base_logprobs`` = log pi_old or log mu (detached by the caller). Not detached on purpose:
+    the gradient of v * k3 then carries the score-function term of the sampling distribution (NeMo-RL,
+    TRL and slime keep it too).
+    """
+    return torch.exp((logprobs - base_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def check_identity_weights(weights: torch.Tensor, mask: torch.Tensor, loss_name: str) -> None:
@@ -140,6 +186,10 @@ class GRPOLoss(nn.Module):
             (arXiv 2503.14476): a wider upper range keeps low-probability tokens explorable.
         dual_clip: dual-clip constant c > 1 for negative advantages, or None to disable.
         kl_coef: weight of the k3 KL(pi_theta || ref) penalty; >= 0 (needs ``ref_logprobs`` when > 0).
+        kl_ratio: importance ratio weighting the k3 term (module docstring): ``"none"`` (standard GRPO),
+            ``"old"`` (pi_theta / pi_old: TRL ``use_bias_correction_kl``, slime ``--use-unbiased-kl``) or
+            ``"rollout"`` (pi_theta / mu: NeMo-RL ``use_on_policy_kl_approximation``; needs
+            ``rollout_logprobs``). Unbiased for KL(pi_theta || ref) on mu's samples only with ``"rollout"``.
         entropy_coef: weight of the entropy bonus (subtracted); >= 0 (needs ``entropy`` when > 0).
         aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``.
         max_response_length: the constant normalizer of ``seq-mean-token-sum-norm``.
@@ -148,7 +198,8 @@ class GRPOLoss(nn.Module):
             ``mask`` (``ais_lightning.losses.penalties``; prime-rl's default is 1e-3, used with
             ``DPPOMask``); >= 0, needs ``rollout_logprobs`` when > 0.
 
-    Stats (floats): ``loss/pg_loss``, ``loss/kl`` and ``loss/entropy`` are aggregated like the loss
+    Stats (floats): ``loss/pg_loss``, ``loss/kl`` (the weighted term with ``kl_ratio``, whose ratio's mean
+    over valid tokens is ``loss/kl_ratio_mean``) and ``loss/entropy`` are aggregated like the loss
     (with ``denominator`` they are this call's share: sum them over micro-batches), so
     ``loss/total = pg_loss + kl_coef * kl - entropy_coef * entropy``. ``loss/pg_clipfrac`` (the clipped
     branch of the min is taken), ``loss/pg_clipfrac_lower`` (the dual clip is active), ``loss/ratio_mean``
@@ -166,6 +217,7 @@ class GRPOLoss(nn.Module):
         max_response_length: int | None = None,
         mode: str = "decoupled",
         mismatch_penalty_coef: float = 0.0,
+        kl_ratio: str = "none",
     ) -> None:
         super().__init__()
         if not (0.0 <= epsilon_low <= 1.0):
@@ -203,13 +255,16 @@ class GRPOLoss(nn.Module):
         self.max_response_length = max_response_length
         self.mode = mode
         self.mismatch_penalty_coef = float(mismatch_penalty_coef)
+        if kl_ratio not in KL_RATIOS:
+            raise ValueError(f"kl_ratio must be one of {KL_RATIOS}, got {kl_ratio!r}")
+        self.kl_ratio = kl_ratio
 
     def extra_repr(self) -> str:
         return (
             f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, dual_clip={self.dual_clip}, "
             f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}, aggregation={self.aggregation!r}, "
             f"max_response_length={self.max_response_length}, mode={self.mode!r}, "
-            f"mismatch_penalty_coef={self.mismatch_penalty_coef}"
+            f"mismatch_penalty_coef={self.mismatch_penalty_coef}, kl_ratio={self.kl_ratio!r}"
         )
 
     @property
@@ -233,6 +288,18 @@ class GRPOLoss(nn.Module):
 
     def _aggregate(self, x: torch.Tensor, mask: torch.Tensor, denominator) -> torch.Tensor:
         return aggregate(x, mask, self.aggregation, self.max_response_length, denominator)
+
+    def denominator(
+        self,
+        mask: torch.Tensor,
+        old_logprobs: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The count the aggregation divides a batch with ``mask`` ``[B, T]`` by (at least 1): its valid
+        tokens (``token-mean``), its sequences with a valid token (``seq-mean-token-mean``) or all its
+        sequences (``seq-mean-token-sum-norm``). Micro-batches of the batch that each pass it as
+        ``denominator`` have losses that add up to the batch's loss (gradient accumulation)."""
+        return aggregation_count(mask, self.aggregation)
 
     def forward(
         self,
@@ -275,6 +342,12 @@ class GRPOLoss(nn.Module):
             old_logprobs = rollout_logprobs
         if ref_logprobs is not None:
             check_token_tensor(ref_logprobs, "ref_logprobs", mask)
+            if self.kl_ratio == "rollout":
+                if rollout_logprobs is None:
+                    raise ValueError(
+                        "rollout_logprobs is required with kl_ratio='rollout' (the KL's weight is pi_theta / mu)"
+                    )
+                check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
         elif self.kl_coef > 0:
             raise ValueError(f"ref_logprobs is required when kl_coef={self.kl_coef} > 0")
         if entropy is not None:
@@ -316,6 +389,11 @@ class GRPOLoss(nn.Module):
             ref = clean(ref_logprobs.detach())  # [B, T]
             log_ref_ratio = (ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
             k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], >= 0
+            if self.kl_ratio != "none":
+                base = old if self.kl_ratio == "old" else clean(rollout_logprobs.detach())  # [B, T]
+                kl_weight = importance_ratio(logp, base)  # [B, T], with grad through logp
+                k3 = kl_weight * k3  # [B, T]
+                stats["loss/kl_ratio_mean"] = masked_mean(kl_weight.detach(), mask).item()
             kl = self._aggregate(k3, mask, denominator)
             stats["loss/kl"] = kl.item()
             if self.kl_coef > 0:
@@ -343,4 +421,5 @@ class GRPOLoss(nn.Module):
             stats["loss/ratio_mean"] = masked_mean(ratio, mask).item()
             stats["loss/ratio_max"] = ratio[mask].max().item() if bool(mask.any()) else 0.0
             stats["loss/total"] = loss.item()
-        return LossOutput(loss=loss, stats=stats)
+        shares = frozenset(("loss/pg_loss", "loss/kl", "loss/mismatch_penalty", "loss/entropy", "loss/total"))
+        return LossOutput(loss=loss, stats=stats, shares=shares & stats.keys())

@@ -197,14 +197,7 @@ class TBPOLoss(nn.Module):
         else:
             dual_active = torch.zeros_like(has_valid)
 
-        if rollout_logprobs is None:
-            mismatch = torch.ones_like(adv)  # [B]
-        else:
-            delta = log_ratio(old_logprobs, rollout_logprobs, mask).to(dtype)  # [B, T], detached, clamped
-            mismatch = torch.exp(geometric_log_ratio(delta, mask))  # [B]
-        below = has_valid & (mismatch < self.band_low)  # [B]
-        above = has_valid & (mismatch > self.band_high)  # [B]
-        kept = has_valid & ~below & ~above  # [B]
+        mismatch, below, above, kept = self._band(old_logprobs, rollout_logprobs, mask, dtype)  # [B] each
         if self.weight_by_mismatch:
             pg = pg * mismatch  # [B], detached weight after clipping
 
@@ -227,4 +220,34 @@ class TBPOLoss(nn.Module):
                 "tbpo/clipfrac": ((clipped & kept).sum() / n_kept).item(),
                 "tbpo/dual_clipfrac": ((dual_active & kept).sum() / n_kept).item(),
             }
-        return LossOutput(loss=loss, stats=stats)
+        return LossOutput(loss=loss, stats=stats, shares=frozenset(("loss/pg_loss", "loss/total")))
+
+    def _band(
+        self,
+        old_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor | None,
+        mask: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each sequence's mismatch m_i and whether it falls below, above or inside the band.  # [B] each"""
+        has_valid = mask.any(dim=-1)  # [B]
+        if rollout_logprobs is None:
+            mismatch = torch.ones(mask.shape[0], dtype=dtype, device=mask.device)  # [B]
+        else:
+            delta = log_ratio(old_logprobs, rollout_logprobs, mask).to(dtype)  # [B, T], detached, clamped
+            mismatch = torch.exp(geometric_log_ratio(delta, mask))  # [B]
+        below = has_valid & (mismatch < self.band_low)  # [B]
+        above = has_valid & (mismatch > self.band_high)  # [B]
+        return mismatch, below, above, has_valid & ~below & ~above
+
+    def denominator(
+        self,
+        mask: torch.Tensor,
+        old_logprobs: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The kept sequences of a batch (at least 1): what the loss divides by. Micro-batches of the batch
+        that each pass it as ``denominator`` have losses that add up to the batch's loss."""
+        if old_logprobs is None:
+            raise ValueError("TBPOLoss.denominator needs old_logprobs (the band is on pi_old / mu)")
+        return self._band(old_logprobs, rollout_logprobs, mask)[3].sum().clamp(min=1)

@@ -12,6 +12,13 @@ under the wrong distribution:
 :func:`logit_transform` reads these from a config; :func:`head_mismatch` measures whether
 ``transform(lm_head(decoder(x)))`` reproduces ``model(x).logits`` on a short probe, so that a family
 whose head does something else is caught where the head is built, not in the training curves.
+
+The precision of the head's projection is a separate choice (``policy.head_dtype``, ``rollout.head_dtype``:
+:data:`HEAD_DTYPES`): by default it computes in the model's dtype, as the model's own forward does;
+``"float32"`` computes ``hidden @ W.T`` in fp32 from the (low-precision) hidden states and weights, whose
+values are unchanged (:func:`head_logits`; :class:`Float32Head` for an engine's private copy). That is the
+"fp32 LM head" of TRL's ``cast_lm_head_to_fp32``, prime-rl's ``enable_fp32_lm_head`` and NeMo-RL's
+``fp32_lm_head``: at bf16 or fp16 the logits are no longer rounded to the model dtype's grid.
 """
 
 from __future__ import annotations
@@ -20,9 +27,81 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LogitTransform", "decoder_body", "decoder_hidden_states", "head_mismatch", "logit_transform"]
+__all__ = [
+    "HEAD_DTYPES",
+    "Float32Head",
+    "LogitTransform",
+    "check_head_dtype",
+    "decoder_body",
+    "decoder_hidden_states",
+    "head_logits",
+    "head_mismatch",
+    "logit_transform",
+]
+
+HEAD_DTYPES = (None, "auto", "model", "float32")
+"""Precisions of the LM head's projection: None / ``"auto"`` / ``"model"`` = the model's dtype (what the model's
+own forward does: the behaviour before the option existed), ``"float32"`` = fp32 logits from the model-dtype hidden
+states and weights (vLLM's ``head_dtype`` names, ``"model"`` and ``"float32"``)."""
+
+
+def check_head_dtype(value: Any, key: str = "head_dtype") -> bool:
+    """Whether ``value`` (one of :data:`HEAD_DTYPES`) asks for an fp32 head; ValueError naming ``key`` otherwise."""
+    if value not in HEAD_DTYPES:
+        raise ValueError(f"{key} must be one of {list(HEAD_DTYPES)}, got {value!r}")
+    return value == "float32"
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor, float32: bool = False) -> torch.Tensor:
+    """``head(hidden)``, or with ``float32`` the same projection computed in fp32.  # [..., H] -> [..., V]
+
+    The fp32 projection upcasts the operands (``F.linear(hidden.float(), W.float(), b.float())``): the
+    products of bf16/fp16 values are exact in fp32, so this is the model-dtype matmul without the rounding of
+    its output (and of its partial sums) to the model dtype. Gradients reach ``W`` in its own dtype through the
+    cast. An fp32 head on fp32 tensors is the plain call.
+    """
+    weight = getattr(head, "weight", None)
+    if not float32 or (
+        hidden.dtype == torch.float32 and weight is not None and weight.dtype == torch.float32
+    ):
+        return head(hidden)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"an fp32 head needs a linear output layer with a weight, got {type(head).__name__}")
+    bias = getattr(head, "bias", None)
+    return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+
+class Float32Head:
+    """Makes an engine's output layer compute in fp32 (``rollout.head_dtype=float32``), weights unchanged.
+
+    Installed as the layer's ``forward`` on a private copy of a model (an engine's): the lean forward and the
+    model's own forward both call the layer, so both get fp32 logits. The fp32 copy of the weight is kept between
+    calls (one cast per weight sync, not per decode step): call :meth:`refresh` after the weights change. The
+    layer's parameters, names and dtype are untouched, so weight syncs and state dicts are as before.
+    """
+
+    def __init__(self, head: nn.Module) -> None:
+        if not isinstance(getattr(head, "weight", None), torch.Tensor):
+            raise ValueError(
+                f"an fp32 head needs a linear output layer with a weight, got {type(head).__name__}"
+            )
+        self.head = head
+        self.weight = self.bias = None
+        self.refresh()
+        head.forward = self  # the instance attribute shadows the class's forward
+
+    def refresh(self) -> None:
+        """Re-take the fp32 copy of the weight (and bias) from the layer."""
+        with torch.no_grad():
+            self.weight = self.head.weight.detach().float()
+            bias = getattr(self.head, "bias", None)
+            self.bias = None if bias is None else bias.detach().float()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] fp32
+        return F.linear(hidden.float(), self.weight, self.bias)
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,23 @@ Manual optimization: one ``training_step`` is one rollout step and takes ``ppo_e
 mini_batches`` optimizer steps, so Lightning's ``global_step`` counts optimizer steps. A step whose
 numbers are not finite changes no weight but still counts (an empty optimizer step), so a run always
 ends; ``max_bad_steps`` consecutive bad steps abort it with an error.
+
+A float16 policy trains with fp32 master weights and a dynamic loss scale
+(:mod:`ais_lightning.modules.mixed_precision`): the loss is scaled before backward, the gradients are unscaled into
+the masters before clipping, and a mini-batch whose gradients overflow on some rank is skipped on every rank like
+any non-finite step, backing off the scale (``train/loss_scale`` is logged).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +41,18 @@ from torch import nn
 
 from ais_lightning import ops
 from ais_lightning.checks import check_int
-from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, TokenEntropy
+from ais_lightning.diagnostics import (
+    ErrorTokenRate,
+    MismatchDiagnostics,
+    TokenEntropy,
+    TokenMultProbError,
+    sequence_mult_prob_error,
+)
 from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
+from ais_lightning.modules.mixed_precision import build_optimizer, master_optimizer
 from ais_lightning.policy import Policy, ResponseLogprobs
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
-from ais_lightning.tasks import Task, safe_rewards, task_fields
+from ais_lightning.tasks import SOLVED_REWARD, Task, safe_rewards, task_fields
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 """Builds an engine from an unsharded copy of the policy's model."""
@@ -59,8 +72,9 @@ class GRPOSettings:
     """Prompts per rollout step (per rank)."""
     group_size: int = 8
     """Responses per prompt (the GRPO group); >= 2, since advantages are relative to the group."""
-    max_new_tokens: int = 8
-    """Response length bound."""
+    max_new_tokens: int | None = None
+    """Response length bound; None: the task's :meth:`~ais_lightning.tasks.Task.response_budget` (its longest
+    reference solution in characters, rounded up to a power of two: 8 for bare arithmetic, 64 in chat format)."""
     temperature: float = 1.0
     """Sampling temperature (> 0; the trainer's log-probs use the same)."""
     top_p: float = 1.0
@@ -69,10 +83,25 @@ class GRPOSettings:
     """Top-k sampling (0 = off); keep 0 with a corrector on."""
     advantage_scale: str = "group"
     """group | batch | none (Dr. GRPO): what the group-centred rewards are divided by."""
+    seq_logprob_error_threshold: float | None = None
+    """Drop a response whose mean exp(|log pi_old - log mu|) over its tokens exceeds this (NeMo-RL's option of
+    the same name, e.g. 1.5 or 2): before the advantages, so it leaves the loss and its group's baseline and
+    std (``losses.group_advantages(valid=...)``) and the corrector's batch. >= 1; None = off. The mismatch
+    metrics still see every response; ``train/dropped_by_logprob_error`` counts the dropped (this rank)."""
+    max_fp32_mult_prob_error: float | None = None
+    """Stop the run at its first rollout step when the trainer-precision (fp32) engine's
+    ``token_mult_prob_error`` against the policy exceeds this, measured on that step's prompts at the
+    training temperature (NeMo-RL's acceptance of a new model: <= 1.05). Needs the trainer-precision engine
+    (validation on and a rollout engine with an fp32 copy); >= 1; None = off."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
     """Optimizer steps per pass (the rollout batch is split into this many mini-batches)."""
+    micro_batch_size: int | None = None
+    """Rows (responses) per forward and backward: each mini-batch's gradient is accumulated over micro-batches
+    of this many rows, each dividing its loss by the whole mini-batch's count (the loss's ``denominator``), so
+    the update is the mini-batch's, up to float rounding, at a fraction of the activation memory (TRL's
+    ``gradient_accumulation_steps``, verl's ``ppo_micro_batch_size``). None: the whole mini-batch at once."""
     lr: float = 3e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -95,15 +124,23 @@ class GRPOSettings:
     """Log a WARNING (once) when every sample of this many consecutive rollout steps got the same reward (0:
     the reward never fired): GRPO's advantages are then zero and nothing is learned, e.g. because the policy
     does not answer in the task's format. 0 = no warning (the summary still reports a constant reward)."""
+    truncate_prompts: bool = False
+    """A prompt whose tokens plus ``max_new_tokens`` pass the policy model's context (``max_position_embeddings``)
+    is cut to its last tokens that fit (one WARNING says how many were cut). False: such a prompt is refused,
+    naming its length, ``max_new_tokens`` and the context (past it a model extrapolates its positions)."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "val_every_n_steps"):
+        for name in ("prompts_per_step", "ppo_epochs", "mini_batches", "val_every_n_steps"):
             check_int(getattr(self, name), name)
+        if self.max_new_tokens is not None:
+            check_int(self.max_new_tokens, "max_new_tokens")
         check_int(self.val_size, "val_size")
         if self.val_batch_size is not None:
             check_int(self.val_batch_size, "val_batch_size")
         check_int(self.max_bad_steps, "max_bad_steps")
         check_int(self.constant_reward_steps, "constant_reward_steps", minimum=0)
+        if not isinstance(self.truncate_prompts, bool):
+            raise ValueError(f"truncate_prompts must be true or false, got {self.truncate_prompts!r}")
         check_int(self.group_size, "group_size", minimum=2)
         check_int(self.top_k, "top_k", minimum=0)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -117,6 +154,14 @@ class GRPOSettings:
             raise ValueError(
                 f"advantage_scale must be one of {list(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}"
             )
+        for name in ("seq_logprob_error_threshold", "max_fp32_mult_prob_error"):
+            value = getattr(self, name)
+            if value is not None and not (
+                not isinstance(value, bool) and isinstance(value, (int, float)) and 1.0 <= value < math.inf
+            ):
+                raise ValueError(
+                    f"{name} must be a finite number >= 1 (exp|log pi - log mu| >= 1) or None, got {value!r}"
+                )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
@@ -137,6 +182,8 @@ class GRPOSettings:
             raise ValueError(
                 f"mini_batches={self.mini_batches} must divide prompts_per_step * group_size = {rows}"
             )
+        if self.micro_batch_size is not None:
+            check_int(self.micro_batch_size, "micro_batch_size")
 
     @property
     def optimizer_steps_per_rollout(self) -> int:
@@ -204,7 +251,10 @@ class GRPOModule(LightningModule):
         self.loss_fn = loss
         self.engine_factory = engine_factory
         self.eval_engine_factory = eval_engine_factory
-        self.settings = settings if settings is not None else GRPOSettings()
+        settings = settings if settings is not None else GRPOSettings()
+        if settings.max_new_tokens is None:  # the task's budget (ais-train settles it at validation already)
+            settings = dataclasses.replace(settings, max_new_tokens=task.response_budget())
+        self.settings = settings
         self.seed = seed
         s = self.settings
         self.sampling = SamplingConfig(
@@ -271,10 +321,22 @@ class GRPOModule(LightningModule):
         fully_shard(self.policy, mesh=dp_mesh)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        """AdamW over the policy's parameters; for a float16 policy, on fp32 master weights with a dynamic loss
+        scale (:func:`ais_lightning.modules.mixed_precision.build_optimizer`; unsharded models only)."""
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(
-            params, lr=self.settings.lr, betas=self.settings.betas, weight_decay=self.settings.weight_decay
+        adamw = functools.partial(
+            torch.optim.AdamW,
+            lr=self.settings.lr,
+            betas=self.settings.betas,
+            weight_decay=self.settings.weight_decay,
         )
+        sharded = self._fsdp1_root() is not None or any(type(p).__name__ == "DTensor" for p in params)
+        if sharded and any(p.dtype == torch.float16 for p in params):
+            raise ValueError(
+                "policy.dtype=float16 (fp32 master weights and a loss scale) is not supported with sharded "
+                "strategies yet (trainer.strategy): use trainer.strategy=auto, or policy.dtype=bfloat16"
+            )
+        return build_optimizer(params, adamw)
 
     def on_train_start(self) -> None:
         """Build the engines once the weights (possibly restored from a checkpoint) are in place.
@@ -371,7 +433,28 @@ class GRPOModule(LightningModule):
         return (self.seed * 1_000_003 + self.rollout_step * 10_007 + self.global_rank * 101 + stage) % (2**31)
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        return self.policy.encode_prompts(prompts)
+        """The policy's token ids of ``prompts``, fitted to its model's context with ``max_new_tokens``
+        (:func:`ais_lightning.rollout.prompts.fit_context`: refused naming the lengths, or cut with
+        ``settings.truncate_prompts``)."""
+        from ais_lightning.rollout.prompts import context_length, fit_context
+
+        ids, cut = fit_context(
+            self.policy.encode_prompts(prompts),
+            self.settings.max_new_tokens,
+            context_length(self.policy.model),
+            self.settings.truncate_prompts,
+        )
+        if cut and not getattr(self, "_warned_truncation", False):
+            self._warned_truncation = True
+            log.warning(
+                "algorithm.truncate_prompts: %d of %d prompts were longer than the model's context (%s) less "
+                "max_new_tokens=%d and were cut to their last tokens (this warning is logged once)",
+                cut,
+                len(ids),
+                context_length(self.policy.model),
+                self.settings.max_new_tokens,
+            )
+        return ids
 
     def decode_responses(self, batch: RolloutBatch) -> list[str]:
         return [
@@ -411,7 +494,6 @@ class GRPOModule(LightningModule):
         rollout_time = time.perf_counter() - t0
 
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
-        advantages = group_advantages(rewards, self.settings.group_size, scale=self.settings.advantage_scale)
         mask = batch.response_mask  # [B, T]
         t1 = time.perf_counter()
         with torch.set_grad_enabled(keep_graph):
@@ -439,6 +521,12 @@ class GRPOModule(LightningModule):
         if not finite:
             return None, stats
 
+        # Responses too mismatched to train on (seq_logprob_error_threshold) leave before the advantages: out of
+        # their group's baseline, the corrector's batch and the loss. The mismatch metrics still see them.
+        keep = self._kept_responses(train_lp, batch.rollout_logprobs, mask, stats)  # [B] bool, or None
+        s = self.settings
+        advantages = group_advantages(rewards, s.group_size, scale=s.advantage_scale, valid=keep)  # [B]
+        train_mask = mask if keep is None else mask & keep.unsqueeze(-1)  # [B, T]
         # delta = log pi_old - log mu, once: the corrector and every mismatch metric read it.
         delta = ops.log_ratio(train_lp, batch.rollout_logprobs, mask)  # [B, T]
         self.mismatch.update(
@@ -454,8 +542,8 @@ class GRPOModule(LightningModule):
         self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
         self.error_metrics["low_logprob_frac"].update(train_lp, mask)
         correction = self.corrector.from_log_ratio(
-            delta,
-            mask,
+            delta if keep is None else torch.where(train_mask, delta, torch.zeros_like(delta)),
+            train_mask,
             advantages=advantages,
             entropy=entropy,
             train_logprobs=train_lp,
@@ -463,22 +551,82 @@ class GRPOModule(LightningModule):
             impurity=impurity,
         )
         stats.update(correction.stats)
-        kept = correction.mask & mask
+        kept = correction.mask & train_mask
         exp = Experience(
             batch, rewards, advantages, train_lp, correction.weights, kept, pi_old if keep_graph else None
         )
         return exp, stats
+
+    def _check_fp32_alignment(self, prompts: list[str]) -> dict[str, float]:
+        """The optional gate ``max_fp32_mult_prob_error``: sample ``prompts`` with the trainer-precision engine
+        as a rollout would, score its log-probs against the policy's (``TokenMultProbError``, over every rank's
+        tokens, so every rank takes the same decision) and raise RuntimeError above the limit. Returns
+        ``{"alignment/fp32_token_mult_prob_error": value}`` to log; ``{}`` when the gate is off."""
+        limit = self.settings.max_fp32_mult_prob_error
+        if limit is None:
+            return {}
+        if self.eval_engine is None:
+            raise ValueError(
+                f"algorithm.max_fp32_mult_prob_error={limit} needs the trainer-precision (fp32) engine, which this "
+                "run does not build (validation off, or a rollout engine without an fp32 copy); unset it and check "
+                "the model with tools/model_mismatch.py --check instead"
+            )
+        sampling = dataclasses.replace(self.sampling, seed=self._sampling_seed(stage=2))
+        batch = ops.to_device(self._validation_generate(self.eval_engine, prompts, sampling), self.device)
+        with torch.no_grad():
+            train_lp = self.policy.batch_logprobs(batch, self.sampling.temperature).logprobs  # [B, T]
+        mask = batch.response_mask  # [B, T]
+        if not self._all_ranks_finite(torch.where(mask, train_lp + batch.rollout_logprobs, 0.0)):
+            raise RuntimeError(
+                "algorithm.max_fp32_mult_prob_error: non-finite log-probs from the trainer-precision engine or the "
+                "policy on the first rollout step's prompts; the fp32 alignment cannot be measured"
+            )
+        metric = TokenMultProbError().to(self.device)
+        metric.update(train_lp, batch.rollout_logprobs, mask)
+        value = float(metric.compute())
+        if not value <= limit:
+            raise RuntimeError(
+                f"fp32 alignment check failed: token_mult_prob_error of the trainer-precision engine against the "
+                f"policy is {value:.6g} > algorithm.max_fp32_mult_prob_error={limit} (NeMo-RL accepts a new model "
+                "at <= 1.05). At fp32 both sides compute the same model, so the gap is in the model code, the weight "
+                "sync or the log-prob processing (temperature, masking): compare with tools/model_mismatch.py "
+                "--check, or raise or unset algorithm.max_fp32_mult_prob_error"
+            )
+        return {"alignment/fp32_token_mult_prob_error": value}
+
+    def _kept_responses(
+        self, train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, stats: dict[str, float]
+    ) -> torch.Tensor | None:
+        """The responses whose mean exp|log pi_old - log mu| is within ``seq_logprob_error_threshold``.  # [B]
+
+        None when the option is off. Counts the dropped ones in ``stats`` (this rank).
+        """
+        threshold = self.settings.seq_logprob_error_threshold
+        if threshold is None:
+            return None
+        keep = sequence_mult_prob_error(train_lp, rollout_lp, mask) <= threshold  # [B]
+        stats["train/dropped_by_logprob_error"] = float((~keep).sum())
+        return keep
 
     # ----------------------------------------------------------------- update
     def _all_ranks_finite(self, value: torch.Tensor) -> bool:
         finite = bool(torch.isfinite(value).all())
         return bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
 
-    def _empty_step(self, opt: Any) -> None:
+    def _empty_step(self, opt: Any, overflow: bool = False) -> None:
         """An optimizer step that changes nothing (no parameter has a gradient) but counts toward
-        ``max_steps``, so that a run with bad steps still ends."""
+        ``max_steps``, so that a run with bad steps still ends. ``overflow``: the gradients were not finite on some
+        rank, which backs off a float16 policy's loss scale (on every rank alike)."""
+        fp16 = master_optimizer(opt)
+        if overflow and fp16 is not None:
+            fp16.record_overflow()
         opt.zero_grad(set_to_none=True)
         opt.step()
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times a float16 policy's loss scale (the loss itself otherwise): what backward runs on."""
+        fp16 = master_optimizer(self.optimizers())
+        return fp16.scale_loss(loss) if fp16 is not None else loss
 
     def update_policy(self, exp: Experience) -> dict[str, float]:
         """``ppo_epochs`` passes of ``mini_batches`` optimizer steps over one rollout batch."""
@@ -492,35 +640,77 @@ class GRPOModule(LightningModule):
         for _ in range(s.ppo_epochs):
             order = torch.randperm(n_rows, generator=gen) if s.mini_batches > 1 else torch.arange(n_rows)
             for mb in range(s.mini_batches):
-                out = self._loss(exp.rows(order[mb * rows_per_mb : (mb + 1) * rows_per_mb]))
-                if not self._all_ranks_finite(out.loss.detach()):
+                opt.zero_grad(set_to_none=True)
+                mb_stats = self._backward(exp.rows(order[mb * rows_per_mb : (mb + 1) * rows_per_mb]))
+                if mb_stats is None:  # a loss was not finite on some rank
                     skipped += 1
                     self._empty_step(opt)
                     continue
-                opt.zero_grad(set_to_none=True)
-                self.manual_backward(out.loss)
                 grad_norm = self._grad_norm()
                 if not self._all_ranks_finite(grad_norm):
                     skipped += 1
-                    self._empty_step(opt)
+                    self._empty_step(opt, overflow=True)
                     continue
                 opt.step()
                 opt.zero_grad(set_to_none=True)  # the gradients' memory is free until the next backward
                 n_updates += 1
                 sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(grad_norm)
-                for k, v in out.stats.items():
+                for k, v in mb_stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
         stats = {k: v / max(n_updates, 1) for k, v in sums.items()}
         stats["train/skipped_updates"] = float(skipped)
+        fp16 = master_optimizer(opt)
+        if fp16 is not None:
+            stats["train/loss_scale"] = fp16.loss_scale.scale
         return stats
+
+    def _micro_batching(self, rows: int) -> bool:
+        """Whether a mini-batch of ``rows`` rows runs as several micro-batches (``micro_batch_size``)."""
+        size = self.settings.micro_batch_size
+        return size is not None and size < rows
+
+    def _backward(self, part: Experience) -> dict[str, float] | None:
+        """Loss and backward of one mini-batch, its gradient accumulated over micro-batches of
+        ``micro_batch_size`` rows; returns the loss's stats, or None (gradients cleared) as soon as a loss is not
+        finite on some rank. Merged over micro-batches, ``LossOutput.shares`` stats add up, ``*_max`` stats
+        take the largest, the others are averaged weighted by rows."""
+        rows = part.rewards.shape[0]
+        if not self._micro_batching(rows):
+            out = self._loss(part)
+            if not self._all_ranks_finite(out.loss.detach()):
+                return None
+            self.manual_backward(self._scaled(out.loss))
+            return out.stats
+        size = self.settings.micro_batch_size
+        denominator = self.loss_fn.denominator(
+            part.loss_mask, part.train_logprobs, part.rollout.rollout_logprobs
+        )  # the whole mini-batch's count
+        merged: dict[str, float] = {}
+        for start in range(0, rows, size):
+            index = torch.arange(start, min(start + size, rows))
+            out = self._loss(part.rows(index), denominator=denominator)
+            if not self._all_ranks_finite(out.loss.detach()):
+                self.optimizers().zero_grad(set_to_none=True)
+                return None
+            self.manual_backward(self._scaled(out.loss))
+            share = index.numel() / rows
+            for k, v in out.stats.items():
+                if k in out.shares:
+                    merged[k] = merged.get(k, 0.0) + v
+                elif k.endswith("_max"):
+                    merged[k] = max(merged.get(k, -math.inf), v)
+                else:
+                    merged[k] = merged.get(k, 0.0) + share * v
+        return merged
 
     @property
     def _loss_needs_entropy(self) -> bool:
         """Whether the loss differentiates the entropy (an entropy bonus)."""
         return bool(getattr(self.loss_fn, "needs_entropy", False))
 
-    def _loss(self, part: Experience) -> Any:
-        """The loss of one mini-batch: every loss gets the same inputs and uses what it needs."""
+    def _loss(self, part: Experience, denominator: torch.Tensor | None = None) -> Any:
+        """The loss of one mini-batch (or of a micro-batch, with the mini-batch's ``denominator``): every loss
+        gets the same inputs and uses what it needs."""
         compute_entropy = self._loss_needs_entropy
         current = part.current
         if current is None:
@@ -537,6 +727,7 @@ class GRPOModule(LightningModule):
             weights=part.weights,
             ref_logprobs=ref_lp,
             entropy=current.entropy if compute_entropy else None,
+            denominator=denominator,
             rollout_logprobs=part.rollout.rollout_logprobs,
         )
 
@@ -557,7 +748,11 @@ class GRPOModule(LightningModule):
         root = self._fsdp1_root()
         if root is not None:  # FSDP1 shards flat parameters: only the root knows the global norm
             return root.clip_grad_norm_(max_norm)
-        params = [p for p in self.policy.parameters() if p.grad is not None]
+        fp16 = master_optimizer(self.optimizers())
+        if fp16 is not None:  # the unscaled fp32 gradients of the masters
+            params = fp16.grad_params()
+        else:
+            params = [p for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -577,9 +772,14 @@ class GRPOModule(LightningModule):
         prompts = batch["prompt"]
         fields = task_fields(batch)
         stage = self.apply_precision_schedule()
-        one_step = self.settings.optimizer_steps_per_rollout == 1  # pi_old's forward serves the loss
+        alignment = self._check_fp32_alignment(prompts) if self.rollout_step == 0 else {}
+        # pi_old's forward serves the loss when one optimizer step over the whole batch at once follows
+        one_step = self.settings.optimizer_steps_per_rollout == 1 and not self._micro_batching(
+            self.settings.prompts_per_step * self.settings.group_size
+        )
         exp, stats = self.collect_experience(prompts, fields, keep_graph=one_step)
         stats.update(stage)
+        stats.update(alignment)
         if exp is None:  # non-finite log-probs: nothing reaches the weights, the engine keeps its copy
             n = self.settings.optimizer_steps_per_rollout
             for _ in range(n):
@@ -737,7 +937,7 @@ class GRPOModule(LightningModule):
                 done[id(engine)] = out, self.score(out, prompts, fields)[0]
             out, rewards = done[id(engine)]
             tally = self._val_tally.setdefault(name, [0.0, 0.0])
-            tally[0] += float((rewards >= 1.0 - 1e-6).sum())
+            tally[0] += float((rewards >= SOLVED_REWARD).sum())
             tally[1] += float(rewards.numel())
             if self._val_example is None and name == "engine":
                 row = int(out.prompt_index[0])
@@ -751,7 +951,7 @@ class GRPOModule(LightningModule):
             self.log(f"val/reward_{name}", rewards.mean(), batch_size=len(prompts), sync_dist=True)
             self.log(
                 f"val/accuracy_{name}",
-                (rewards >= 1.0 - 1e-6).float().mean(),
+                (rewards >= SOLVED_REWARD).float().mean(),
                 batch_size=len(prompts),
                 sync_dist=True,
             )
@@ -763,6 +963,26 @@ class GRPOModule(LightningModule):
             self.eval_engine.sync_weights(self._full_state())
         # progressive precision: validate in the stage of the last step trained (the next step switches on)
         self.apply_precision_schedule(max(self.rollout_step - 1, 0))
+
+    def close_engines(self) -> None:
+        """Release the engines (each distinct one's ``close``: a vLLM engine's device memory); the next validation
+        or training builds them again. A run's engines live from its first validation to its end: call this when
+        the run ends (:meth:`engines_released`), so that the next run in the process starts with the memory free."""
+        engines = {id(e): e for e in (self.engine, self.eval_engine) if e is not None}
+        self.engine = self.eval_engine = None
+        for engine in engines.values():
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
+
+    @contextlib.contextmanager
+    def engines_released(self) -> Iterator[None]:
+        """``with module.engines_released(): trainer.validate(...); trainer.fit(...)``: one set of engines for
+        the whole run, released (:meth:`close_engines`) when the block ends, however it ends."""
+        try:
+            yield
+        finally:
+            self.close_engines()
 
     # ------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -10,17 +10,21 @@ warm start of :mod:`ais_lightning.warmstart` stops when an accuracy target is me
 known in advance, so there is no horizon to decay towards), and global gradient-norm clipping,
 which keeps the occasional loss spike of a tiny model at a moderate lr from undoing what it learned.
 The module runs under a Lightning ``Trainer`` (``training_step``, ``configure_optimizers``,
-``configure_gradient_clipping``) or step by step through :meth:`SFTModule.train_step`.
+``configure_gradient_clipping``) or step by step through :meth:`SFTModule.train_step`. A float16 policy trains
+with fp32 master weights and a dynamic loss scale (:mod:`ais_lightning.modules.mixed_precision`): a step whose
+gradients overflow is skipped and backs off the scale.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from lightning import LightningModule
 
 from ais_lightning.models.prompting import encode_prompts
+from ais_lightning.modules.mixed_precision import build_optimizer, master_optimizer
 from ais_lightning.ops import pad_sequences
 from ais_lightning.policy import Policy
 
@@ -103,9 +107,16 @@ class SFTModule(LightningModule):
         self.log("sft/loss", loss, prog_bar=True, batch_size=len(batch["prompt"]))
         return loss
 
-    def build_optimizer(self) -> torch.optim.AdamW:
-        """AdamW over the policy's parameters at ``lr``."""
-        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the policy's parameters at ``lr`` (on fp32 master weights for a float16 policy:
+        :func:`ais_lightning.modules.mixed_precision.build_optimizer`)."""
+        adamw = functools.partial(torch.optim.AdamW, lr=self.lr, weight_decay=self.weight_decay)
+        return build_optimizer(self.policy.parameters(), adamw)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Under a Trainer: backward of the loss, times a float16 policy's loss scale."""
+        fp16 = master_optimizer(self.optimizers()) if self._trainer is not None else None
+        super().backward(fp16.scale_loss(loss) if fp16 is not None else loss, *args, **kwargs)
 
     def configure_optimizers(self) -> Any:
         opt = self.build_optimizer()
@@ -119,7 +130,10 @@ class SFTModule(LightningModule):
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         clip = gradient_clip_val if gradient_clip_val is not None else self.grad_clip
-        if clip:
+        fp16 = master_optimizer(optimizer)
+        if clip and fp16 is not None:  # the masters' unscaled gradients (Lightning's reads the scaled)
+            torch.nn.utils.clip_grad_norm_(fp16.grad_params(), clip)
+        elif clip:
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def train_step(self, optimizer: torch.optim.Optimizer, batch: dict[str, list], lr: float) -> float:
@@ -128,8 +142,10 @@ class SFTModule(LightningModule):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         loss = self.sft_loss(batch)
-        loss.backward()
+        fp16 = master_optimizer(optimizer)
+        (fp16.scale_loss(loss) if fp16 is not None else loss).backward()
         if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-        optimizer.step()
+            params = fp16.grad_params() if fp16 is not None else self.policy.parameters()
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        optimizer.step()  # a float16 policy's step is skipped when its gradients overflow
         return float(loss.detach())

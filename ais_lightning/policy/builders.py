@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ais_lightning.models.gguf import check_gguf_file, check_gguf_support, convert_gguf, smollm2_gguf_path
+from ais_lightning.models.head import check_head_dtype
 from ais_lightning.policy.policy import Policy, check_aligned_quantization, check_aligned_schedule
 
-DTYPES = ("float32", "bfloat16")
-"""Trainer precisions: float32 (the CPU default: bf16 is ~5x slower on CPUs without native bf16) or bfloat16."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""Trainer precisions: float32 (the CPU default: bf16 is ~5x slower on CPUs without native bf16), bfloat16 (the
+parameters and AdamW's update in bf16), or float16 (fp16 parameters and compute, fp32 master weights in the optimizer
+and a dynamic loss scale: :mod:`ais_lightning.modules.mixed_precision`)."""
 
 
-def _check_common(dtype: str, logprob_chunk_size: int, aligned_quantization: str | None) -> None:
+def _check_common(
+    dtype: str, logprob_chunk_size: int, aligned_quantization: str | None, head_dtype: str | None = None
+) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    check_head_dtype(head_dtype)
     if (
         isinstance(logprob_chunk_size, bool)
         or not isinstance(logprob_chunk_size, int)
@@ -92,8 +98,14 @@ def check_aligned_schedule_engine(schedule: Any, engine_factory: Any) -> None:
 class TinyQwen3:
     """The built-in ~0.8M-parameter Qwen3 with the character tokenizer (built locally, nothing downloaded)."""
 
+    PRETRAINED_WEIGHTS: ClassVar[bool] = False
+    """Starts from random weights (``warmstart.enabled=auto`` warm-starts it)."""
+
     dtype: str = "float32"
-    """Trainer precision: float32 or bfloat16."""
+    """Trainer precision: float32, bfloat16 or float16 (fp32 master weights and a loss scale, :data:`DTYPES`)."""
+    head_dtype: str | None = None
+    """Precision of the LM head's projection: None / auto / model = the model dtype, float32 = fp32 logits from the
+    model-dtype weights (``ais_lightning.models.head``); with a bfloat16/float16 policy set ``rollout.head_dtype`` alike."""
     logprob_chunk_size: int = 1024
     """Response positions per chunk when computing log-probs/entropy (bounds the [chunk, V] logits)."""
     aligned_quantization: str | None = None
@@ -107,7 +119,7 @@ class TinyQwen3:
     """Recompute each decoder layer in backward instead of keeping its activations (less memory)."""
 
     def __post_init__(self) -> None:
-        _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization)
+        _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization, self.head_dtype)
         _normalize_schedule(self)
         from ais_lightning.models import tiny_qwen3_config
 
@@ -128,6 +140,7 @@ class TinyQwen3:
             self.aligned_quantization,
             aligned_schedule=self.aligned_schedule,
             gradient_checkpointing=self.gradient_checkpointing,
+            head_dtype=self.head_dtype,
         )
 
 
@@ -135,10 +148,16 @@ class TinyQwen3:
 class Pretrained:
     """Any Hugging Face causal LM from a local directory (weights and tokenizer; never the hub)."""
 
+    PRETRAINED_WEIGHTS: ClassVar[bool] = True
+    """Starts from the checkpoint's weights (``warmstart.enabled=auto`` runs no warm start)."""
+
     path: str
     """Local directory of the model (``config.json``, weights, tokenizer files)."""
     dtype: str = "float32"
-    """Trainer precision: float32 or bfloat16."""
+    """Trainer precision: float32, bfloat16 or float16 (fp32 master weights and a loss scale, :data:`DTYPES`)."""
+    head_dtype: str | None = None
+    """Precision of the LM head's projection: None / auto / model = the model dtype, float32 = fp32 logits from the
+    model-dtype weights (``ais_lightning.models.head``); with a bfloat16/float16 policy set ``rollout.head_dtype`` alike."""
     logprob_chunk_size: int = 1024
     """Response positions per chunk when computing log-probs/entropy (bounds the [chunk, V] logits)."""
     aligned_quantization: str | None = None
@@ -156,7 +175,7 @@ class Pretrained:
 
     def __post_init__(self) -> None:
         self._check_source()
-        _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization)
+        _check_common(self.dtype, self.logprob_chunk_size, self.aligned_quantization, self.head_dtype)
         _normalize_schedule(self)
 
     def _check_source(self) -> None:
@@ -186,6 +205,7 @@ class Pretrained:
             disable_dropout=self.disable_dropout,
             gradient_checkpointing=self.gradient_checkpointing,
             chat_template=self.chat_template,
+            head_dtype=self.head_dtype,
         )
 
 

@@ -597,6 +597,8 @@ class TinyLLaDA:
 
     MODEL_FAMILY: ClassVar[str] = DiffusionPolicy.MODEL_FAMILY
     """The family of the policy it builds (not a config field)."""
+    PRETRAINED_WEIGHTS: ClassVar[bool] = False
+    """Starts from random weights (``warmstart.enabled=auto`` warm-starts it)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -24,8 +24,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ais_lightning.models.head import (
     LogitTransform,
+    check_head_dtype,
     decoder_body,
     decoder_hidden_states,
+    head_logits,
     head_mismatch,
     logit_transform,
 )
@@ -178,9 +180,11 @@ def _head_logprobs(
     temperature: float,
     compute_entropy: bool,
     entropy_grad: bool = True,
+    head_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] ->
-    log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``).
+    log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``). ``head_float32``: the
+    head's projection in fp32 (:func:`ais_lightning.models.head.head_logits`).
 
     The impurities are values only, and so are the entropies without ``entropy_grad``: autograd records
     only what a loss differentiates. A checkpointed chunk recomputes in backward every tensor its forward
@@ -188,7 +192,7 @@ def _head_logprobs(
     term) stay alive until the whole backward ends, chunk after chunk: the head's memory would grow with the
     batch instead of being bounded by the chunk.
     """
-    logits = transform(lm_head(hidden))  # [n, V]
+    logits = transform(head_logits(lm_head, hidden, head_float32))  # [n, V]
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
     if not compute_entropy:
         return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
@@ -210,12 +214,14 @@ def chunked_response_logprobs(
     chunk_size: int = 1024,
     transform: LogitTransform | None = None,
     entropy_grad: bool = True,
+    head_float32: bool = False,
 ) -> ResponseLogprobs:
     """Log-probs (and entropies) of response tokens from the decoder's final hidden states.
 
     ``hidden`` ``[B, T, H]`` is the hidden state that *predicts* each response token (position ``P-1+t``).
     ``transform``: what the model's forward does to ``lm_head``'s logits
-    (:func:`ais_lightning.models.head.logit_transform`; None = nothing).
+    (:func:`ais_lightning.models.head.logit_transform`; None = nothing). ``head_float32``: ``lm_head``'s
+    projection computed in fp32 from the model-dtype hidden states and weights (``Policy(head_dtype="float32")``).
     Only valid tokens are projected, ``chunk_size`` of them at a time; under autograd each chunk is
     activation-checkpointed, so only one chunk's ``[chunk_size, V]`` logits and what is computed from them
     are alive at a time, in forward *and* backward (the memory bound of chunked cross-entropy, e.g.
@@ -247,12 +253,15 @@ def chunked_response_logprobs(
                     temperature,
                     compute_entropy,
                     entropy_grad,
+                    head_float32,
                     use_reentrant=False,
                 )
             )
         else:
             chunks.append(
-                _head_logprobs(lm_head, transform, h, tok, temperature, compute_entropy, entropy_grad)
+                _head_logprobs(
+                    lm_head, transform, h, tok, temperature, compute_entropy, entropy_grad, head_float32
+                )
             )
     zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
     columns = list(zip(*chunks)) if compute_entropy else [[c[0] for c in chunks]]  # the ones computed
@@ -325,6 +334,7 @@ def _is_fsdp_module(module: nn.Module) -> bool:
 def _decoder_logprobs(
     model: nn.Module,
     transform: LogitTransform,
+    head_float32: bool,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
@@ -340,7 +350,7 @@ def _decoder_logprobs(
     hidden = decoder_hidden_states(model, input_ids, attention_mask, position_ids)  # [B, P+T, H]
     result = chunked_response_logprobs(
         model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
-        temperature, compute_entropy, chunk_size, transform, entropy_grad,
+        temperature, compute_entropy, chunk_size, transform, entropy_grad, head_float32,
     )  # fmt: skip
     return result.logprobs, result.entropy, result.impurity
 
@@ -354,7 +364,10 @@ class Policy(nn.Module):
     against the engine are deterministic functions of the weights. ``gradient_checkpointing`` recomputes
     each decoder layer in backward instead of keeping its activations
     (:func:`enable_activation_checkpointing`): less memory, about one more forward of time. ``chat_template``
-    prompts an instruction-tuned model in its tokenizer's chat template (:meth:`encode_prompts`). The model is put
+    prompts an instruction-tuned model in its tokenizer's chat template (:meth:`encode_prompts`). ``head_dtype``
+    (:data:`ais_lightning.models.head.HEAD_DTYPES`): ``"float32"`` computes ``lm_head``'s projection in fp32 from the
+    model-dtype hidden states and weights (TRL's ``cast_lm_head_to_fp32``, but the weights keep their dtype, so the
+    engines receive the same head); None / ``"auto"`` / ``"model"``: in the model's dtype. The model is put
     in training mode (``from_pretrained`` returns it in eval mode, and Lightning keeps each module's mode
     through ``fit``, so checkpointing, which acts in training mode only, would otherwise be off).
 
@@ -374,8 +387,10 @@ class Policy(nn.Module):
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
         chat_template: bool = False,
+        head_dtype: str | None = None,
     ) -> None:
         super().__init__()
+        head_float32 = check_head_dtype(head_dtype)
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise ValueError(
                 f"model must be a Hugging Face causal LM with an output embedding, got {type(model)}"
@@ -391,6 +406,17 @@ class Policy(nn.Module):
             disable_dropout_in(model)
         if gradient_checkpointing:
             enable_activation_checkpointing(model)
+        if head_float32 and not isinstance(
+            getattr(model.get_output_embeddings(), "weight", None), torch.Tensor
+        ):
+            raise ValueError(
+                f"head_dtype='float32' needs a linear output layer with a weight, got "
+                f"{type(model.get_output_embeddings()).__name__}"
+            )
+        self.head_dtype = head_dtype
+        """The precision of ``lm_head``'s projection (:data:`ais_lightning.models.head.HEAD_DTYPES`)."""
+        self.head_float32 = head_float32
+        """Whether ``lm_head``'s projection computes in fp32 (``head_dtype="float32"``)."""
         self.logit_transform = self._checked_logit_transform(model)
         """What the model's forward does to ``lm_head``'s logits (Granite's scaling, Gemma 2's soft cap, ...),
         applied by the chunked head too (:mod:`ais_lightning.models.head`)."""
@@ -498,12 +524,13 @@ class Policy(nn.Module):
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
         chat_template: bool = False,
+        head_dtype: str | None = None,
         **model_kwargs,
     ) -> Policy:
         """Load a causal LM from a *local* directory (never the hub). ``attn_implementation`` None lets
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
         ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``,
-        ``disable_dropout``, ``gradient_checkpointing``, ``chat_template``: as in the constructor."""
+        ``disable_dropout``, ``gradient_checkpointing``, ``chat_template``, ``head_dtype``: as in the constructor."""
         from transformers import AutoModelForCausalLM
 
         path = os.fspath(path)
@@ -521,6 +548,7 @@ class Policy(nn.Module):
             disable_dropout=disable_dropout,
             gradient_checkpointing=gradient_checkpointing,
             chat_template=chat_template,
+            head_dtype=head_dtype,
         )
 
     @property
@@ -566,7 +594,7 @@ class Policy(nn.Module):
         fn = getattr(self.model, _FSDP_FORWARD_METHOD, None)
         if fn is not None:
             return fn
-        fn = functools.partial(_decoder_logprobs, self.model, self.logit_transform)
+        fn = functools.partial(_decoder_logprobs, self.model, self.logit_transform, self.head_float32)
         if _is_fsdp_module(self.model):
             from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -696,7 +724,18 @@ class Policy(nn.Module):
         FSDP's "Non-root FSDP instance's `_is_root` should not have been set" assertion (torch
         ``distributed/fsdp/_runtime_utils.py``), and with several ranks returns the root-owned embedding,
         norm and head as flat 1-D shards. Without ``fsdp_root`` an FSDP1 model raises ValueError.
+
+        Callable inside ``torch.inference_mode`` (Lightning validates under it unless the process group is gloo
+        or the strategy FSDP1, and GRPO syncs its engines at validation start): the gather runs outside it, under
+        ``no_grad``, and returns normal tensors. Gathering FSDP2 DTensors inside it fails in
+        ``get_model_state_dict`` ("Cannot set version_counter for inference tensor").
         """
+        with torch.inference_mode(False), torch.no_grad():
+            return self._full_state_dict(rank0_only, fsdp_root, snapshot)
+
+    def _full_state_dict(
+        self, rank0_only: bool, fsdp_root: nn.Module | None, snapshot: bool
+    ) -> list[tuple[str, torch.Tensor]]:
         model = self.model
         if _fsdp1_modules(model):
             state = self._fsdp1_state_dict(fsdp_root, rank0_only)

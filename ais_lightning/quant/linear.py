@@ -17,7 +17,9 @@ Backends:
   blockwise form of the emulated ``fp8`` recipe (1x128 activation groups x 128x128 weight blocks,
   DeepSeek-V3), which torch only has on Hopper (compute capability 9.x) with CUDA/cuBLASLt >= 12.9
   (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_check_deepseek_support``; on Blackwell the block-scaled
-  FP8 GEMM is MXFP8's, a different recipe). :func:`fp8_gemm_requirement` names what a device lacks.
+  FP8 GEMM is MXFP8's, a different recipe), through ``torch.nn.functional.scaled_mm`` with the weight
+  scales in cuBLASLt's padded layout (:func:`blockwise_weight_operands`). :func:`fp8_gemm_requirement`
+  names what a device lacks.
   Refuses a non-CUDA weight (the CPU kernel exists for tensor/row scales but is slower than emulation).
 
 **Outlier channels** (:mod:`.outliers`, any backend): :meth:`QuantLinear.set_outlier_channels` keeps some
@@ -153,6 +155,11 @@ def fp8_gemm_requirement(
                 f"recipe {name!r} on backend 'fp8_gemm' needs CUDA/cuBLASLt >= 12.9 for blockwise "
                 f"torch._scaled_mm, this torch build has CUDA {shown}"
             )
+        if not hasattr(F, "scaled_mm"):
+            return (
+                f"recipe {name!r} on backend 'fp8_gemm' needs torch >= 2.10 (torch.nn.functional.scaled_mm, "
+                f"which takes cuBLASLt's padded block-scale layout), this is torch {torch.__version__}"
+            )
     return None
 
 
@@ -166,16 +173,23 @@ def outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
 
 
 def blockwise_weight_operands(weight_fp8: torch.Tensor, block_scale: torch.Tensor) -> tuple:
-    """``(mat2, scale_b)`` of a blockwise ``torch._scaled_mm`` from a weight quantized in 128x128 blocks.
+    """``(mat2, scale_b)`` of the blockwise FP8 GEMM (:func:`scaled_mm_linear`) from a weight quantized in
+    128x128 blocks.
 
     ``weight_fp8``: ``[N, K]`` E4M3, row-major; ``block_scale``: ``[ceil(N/128), ceil(K/128)]`` float32,
     the dequantization scales (``w ~= weight_fp8 * scale`` per block). Returns ``mat2`` = the transpose of
     a contiguous ``weight_fp8`` (``[K, N]``, column-major; block quantization of a weight whose dims are
-    not multiples of 128 returns a strided slice of its padded blocks) and ``scale_b = block_scale.contiguous().t()`` (``[ceil(K/128), ceil(N/128)]``,
-    strides ``(1, ceil(K/128))``): the layout ``is_blockwise_128x128_scaling(mat2.t(), scale_b.t())`` of
-    torch's ``ScaledBlas.cpp`` accepts, as in torch's own test (``w_inverse_scale.t()``).
+    not multiples of 128 returns a strided slice of its padded blocks) and ``scale_b`` in cuBLASLt's layout:
+    ``[L4, ceil(N/128)]`` with strides ``(1, L4)``, L4 = ceil(K/128) rounded up to a multiple of 4, the padding
+    zeros. cuBLASLt gets only the scales' data pointer and reads them with that leading dimension; torch's
+    ``_scaled_block1x128_block128x128`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp``) checks this layout,
+    while the legacy ``torch._scaled_mm`` took the unpadded one and gave silently wrong products whenever
+    ceil(K/128) % 4 != 0 (PyTorch PR 166752).
     """
-    return weight_fp8.contiguous().t(), block_scale.contiguous().t()
+    n_blocks, k_blocks = block_scale.shape
+    padded = block_scale.new_zeros(n_blocks, _round_up(k_blocks, 4))  # [N/128, L4], row-major
+    padded[:, :k_blocks] = block_scale
+    return weight_fp8.contiguous().t(), padded.t()  # [K, N] col-major, [L4, N/128] strides (1, L4)
 
 
 def blockwise_activation_operands(x2d: torch.Tensor, fmt: str = "fp8_e4m3") -> tuple:
@@ -206,24 +220,35 @@ def scaled_mm_linear(
 
     ``weight_t``: ``[K, N]`` FP8, column-major (the transpose of a contiguous ``[N, K]``);
     ``weight_scale``: 0-d (per tensor), ``[1, N]`` (per output channel) or, with ``act_scaling="group"``,
-    the blockwise ``scale_b`` of :func:`blockwise_weight_operands` (``[ceil(K/128), ceil(N/128)]``).
-    ``act_scaling``: ``"tensor"`` (0-d scale), ``"token"`` (``[M, 1]`` scale) or ``"group"`` (1x128 groups,
-    :func:`blockwise_activation_operands`). Row-wise and blockwise scaling write a bf16 output (CUDA
+    the blockwise ``scale_b`` of :func:`blockwise_weight_operands` (``[L4, ceil(N/128)]``, cuBLASLt's padded
+    layout). ``act_scaling``: ``"tensor"`` (0-d scale), ``"token"`` (``[M, 1]`` scale) or ``"group"`` (1x128
+    groups, :func:`blockwise_activation_operands`). Row-wise and blockwise scaling write a bf16 output (CUDA
     requires it), cast back to ``x``'s dtype. The tensor/row forms run on CPU too (slowly: only useful
-    for checking numerics); the blockwise form runs on Hopper only (:func:`fp8_gemm_requirement`).
+    for checking numerics); the blockwise form runs on Hopper only (:func:`fp8_gemm_requirement`) through
+    ``torch.nn.functional.scaled_mm`` (torch >= 2.10), which is told the scaling types: the legacy
+    ``torch._scaled_mm`` infers them from the scales' shapes and refuses the padded layout.
     """
     k = x.shape[-1]
     x2d = x.reshape(-1, k)  # [M, K]
     rows = x2d.shape[0]
     if act_scaling == "group":
         data, scale_a, rows = blockwise_activation_operands(x2d, fmt)  # [M', K], [M', K/128]
+        y = F.scaled_mm(
+            data,
+            weight_t,
+            scale_a=scale_a,
+            scale_recipe_a=F.ScalingType.BlockWise1x128,
+            scale_b=weight_scale,  # [L4, N/128], strides (1, L4)
+            scale_recipe_b=F.ScalingType.BlockWise128x128,
+            output_dtype=torch.bfloat16,
+        )  # [M', N]
     else:
         qx = quantize(x2d, fmt, act_scaling, check_finite=False, name="input")
         data = qx.data.contiguous()
         scale_a = qx.scale.reshape(()) if act_scaling == "tensor" else qx.scale.reshape(-1, 1)  # [] or [M, 1]
-    per_tensor = scale_a.dim() == 0 and weight_scale.dim() == 0
-    out_dtype = torch.float32 if per_tensor else torch.bfloat16  # row-/block-wise scaling: bf16 output
-    y = torch._scaled_mm(data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype)
+        per_tensor = scale_a.dim() == 0 and weight_scale.dim() == 0
+        out_dtype = torch.float32 if per_tensor else torch.bfloat16  # row-wise scaling: bf16 output
+        y = torch._scaled_mm(data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype)
     y = y[:rows].to(x.dtype)  # [M, N]
     if bias is not None:
         y = y + bias.to(x.dtype)
@@ -289,7 +314,7 @@ class QuantLinear(nn.Linear):
         # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
         self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K] (OCS: [N, K + S])
         self.weight_q_t: torch.Tensor | None = None  # int8 / fp8_gemm: [K, N] col-major codes
-        self.weight_q_scale: torch.Tensor | None = None  # int8: [N]; fp8_gemm: [], [1, N] or [K/128, N/128]
+        self.weight_q_scale: torch.Tensor | None = None  # int8: [N]; fp8_gemm: [], [1, N] or [L4, N/128]
         self.ocs_index: torch.Tensor | None = None  # emulate + OCS: [K + S] input column of each split column
         self.ocs_channels: torch.Tensor | None = None  # emulate + OCS: [S] split input channels
         self.weight_outliers: torch.Tensor | None = None  # outlier channels: W[:, out] [N, k], high precision
@@ -413,7 +438,7 @@ class QuantLinear(nn.Linear):
             self.ocs_index = self.ocs_channels = None
         elif self.backend == "int8":
             self.weight_q_t, self.weight_q_scale = int8_weight_operands(weight)
-        elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [K/128, N/128]
+        elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [L4, N/128]
             q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
             self.weight_q_t, self.weight_q_scale = blockwise_weight_operands(q.data, q.scale)
         else:

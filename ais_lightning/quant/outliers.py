@@ -99,7 +99,8 @@ class OutlierCalibration:
         >>> x = torch.randn(16, 64); x[:, 3] *= 100  # one outlier channel
         >>> with calibration.observe(bypass=True):
         ...     _ = layer(x)
-        >>> calibration.apply()
+        >>> calibration.apply()  # the number of layers set
+        1
         >>> 3 in layer.outlier_channels.tolist()  # ceil(0.05 * 64) = 4 channels, channel 3 among them
         True
     """

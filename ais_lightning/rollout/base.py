@@ -8,14 +8,44 @@ step with the trainer's full (unsharded) weights and buffers.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from ais_lightning.ops import take_rows
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def autocast_disabled() -> Iterator[None]:
+    """Turn off a caller's ``torch.autocast`` (CPU and CUDA) for the block; restored on exit.
+
+    An engine computes in its own precision: Lightning's precision plugin (``precision=bf16-mixed``) wraps
+    ``training_step`` / ``validation_step`` in autocast, and the GRPO module calls the engines from there, so
+    without this an fp32 engine (the rollout policy mu, or the trainer-precision copy) would compute in bf16.
+    """
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if (device == "cpu" or torch.cuda.is_available()) and torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def without_autocast(method: _F) -> _F:
+    """Decorator: run ``method`` under :func:`autocast_disabled` (engines' ``generate`` and ``sync_weights``)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with autocast_disabled():
+            return method(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass

@@ -53,8 +53,10 @@ from torch import nn
 from ais_lightning.checks import check_int
 from ais_lightning.ops import logprobs_from_logits, pad_sequences
 from ais_lightning.quant.linear import default_int8_backend
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
+from ais_lightning.rollout.base import RolloutBatch, SamplingConfig, without_autocast
+from ais_lightning.rollout.prompts import check_generate_args, check_prompts, context_length
 from ais_lightning.rollout.sampling import make_generator, sample_next
+from ais_lightning.rollout.weight_sync import check_named_tensors
 
 __all__ = [
     "DIFFUSION_PRECISIONS",
@@ -302,6 +304,7 @@ class DiffusionRolloutEngine:
         return targets
 
     @torch.no_grad()
+    @without_autocast
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights and buffers, all or nothing, then re-quantize.
 
@@ -311,7 +314,7 @@ class DiffusionRolloutEngine:
         must match, every floating value must be finite once cast to the engine's dtype. A rejected sync
         raises ValueError and leaves the engine exactly as it was. Names not sent keep their value.
         """
-        incoming = list(named_tensors)
+        incoming = list(check_named_tensors(named_tensors))
         targets = self._sync_targets()
         unknown = sorted({n for n, _ in incoming} - set(targets))
         if unknown:
@@ -340,14 +343,14 @@ class DiffusionRolloutEngine:
         refresh_quantized(self.model)  # no QuantLinear at fp32/bf16
 
     # --------------------------------------------------------------- generate
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
+    def _check_prompts(self, prompts: list[list[int]], sampling: SamplingConfig | None = None) -> None:
+        """The engines' shared checks (token ids, ``sampling``, prompt + canvas within the model's context),
+        and no mask token in a prompt."""
+        if sampling is None:
+            check_prompts(prompts, self.vocab_size)
+        else:
+            check_generate_args(prompts, sampling, self.vocab_size, context_length(self.model))
         for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)) or not p:
-                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"prompts[{i}] has token ids outside [0, {self.vocab_size})")
             if self.mask_token_id in p:
                 raise ValueError(f"prompts[{i}] contains the mask token id {self.mask_token_id}")
 
@@ -356,12 +359,12 @@ class DiffusionRolloutEngine:
         return denoising_schedule(length, self.steps, self.block_length)
 
     @torch.inference_mode()
+    @without_autocast
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Sample ``sampling.n`` responses of ``sampling.max_new_tokens`` positions per prompt (rows of one
-        prompt contiguous); ``sampling.seed`` makes the draw reproducible."""
-        self._check_prompts(prompts)
-        if not isinstance(sampling, SamplingConfig):
-            raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        prompt contiguous); ``sampling.seed`` makes the draw reproducible. A caller's ``torch.autocast`` is
+        turned off inside (and in :meth:`sync_weights`): the engine computes in its own precision."""
+        self._check_prompts(prompts, sampling)
         dev, n, length = self.device, sampling.n, sampling.max_new_tokens
         gen = make_generator(sampling.seed, dev)
         prompt_ids, prompt_mask = pad_sequences(

@@ -21,8 +21,9 @@ hold under ``torch.inference_mode`` and follow each weight sync:
 (TE ``pytorch/quantization.py``, ``FP8GlobalStateManager.autocast_exit``), and generation runs under
 ``inference_mode``, so every scale would stay at its initial 1.0: weights of ~0.02 fall into E4M3
 subnormals and activations above 448 clip, silently. Read against TransformerEngine 2.20.0.dev0
-(``transformer_engine/common/recipe/__init__.py``, ``pytorch/quantization.py``); ``te.autocast``
-exists since TE 2.8, the version :meth:`TERolloutEngine.check_args` requires.
+(``transformer_engine/common/recipe/__init__.py``, ``pytorch/quantization.py``); ``te.autocast`` first
+ships in TE 2.9 (tag v2.9; 2.8 has only ``fp8_autocast``, in ``pytorch/fp8.py``), the version
+:meth:`TERolloutEngine.check_args` requires and :func:`import_transformer_engine` checks.
 
 Kept in high precision: ``lm_head`` (FP8-RL practice) and any linear whose in/out features are not
 divisible by 16 (TE's FP8 GEMM constraint; 32 for MXFP8). TE also needs the flattened token count
@@ -52,9 +53,9 @@ from ais_lightning.rollout.engine_args import (
 )
 from ais_lightning.rollout.torch_engine import TorchRolloutEngine
 
-TE_INSTALL_HINT = "pip install 'ais-lightning[te]'"
-TE_MIN_VERSION = (2, 8)
-"""``te.autocast(recipe=...)`` and the current/block/MX recipes."""
+TE_INSTALL_HINT = "pip install --no-build-isolation 'ais-lightning[te]' (docs/gpu.md)"
+TE_MIN_VERSION = (2, 9)
+"""``te.autocast(recipe=...)`` (first in TE 2.9; 2.8 has only ``fp8_autocast``) and the current/block/MX recipes."""
 TE_PRECISIONS = ("fp8",)
 """Precisions TERolloutEngine runs."""
 FP8_FORMATS = ("E4M3", "HYBRID")
@@ -74,11 +75,21 @@ _TE_SKIP = ("lm_head",)
 
 
 def import_transformer_engine() -> Any:
-    """Import ``transformer_engine.pytorch``, or raise ImportError saying what to install."""
+    """Import ``transformer_engine.pytorch``, or raise ImportError saying what to install.
+
+    Also refuses a Transformer Engine without ``te.autocast`` (before 2.9), whatever its package metadata says
+    (:meth:`TERolloutEngine.check_args` compares the metadata's version)."""
     try:
-        return importlib.import_module("transformer_engine.pytorch")
+        te = importlib.import_module("transformer_engine.pytorch")
     except ImportError as err:
         raise ImportError(f"TERolloutEngine needs Transformer Engine: {TE_INSTALL_HINT} ({err})") from err
+    if not hasattr(te, "autocast"):
+        shown = ".".join(map(str, TE_MIN_VERSION))
+        raise ImportError(
+            f"TERolloutEngine needs Transformer Engine >= {shown} (te.autocast); the installed one has "
+            f"{'only fp8_autocast' if hasattr(te, 'fp8_autocast') else 'no autocast'}: {TE_INSTALL_HINT}"
+        )
+    return te
 
 
 def make_te_recipe(recipe: str, fp8_format: str) -> Any:

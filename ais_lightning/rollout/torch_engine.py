@@ -31,10 +31,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ais_lightning.models.head import Float32Head, check_head_dtype
 from ais_lightning.quant.linear import default_int8_backend
 from ais_lightning.quant.outliers import OutlierCalibration, check_fraction
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
+from ais_lightning.rollout.base import RolloutBatch, SamplingConfig, without_autocast
 from ais_lightning.rollout.decoders import (
     CACHED_DECODE_TOLERANCE,
     LeanDecoder,
@@ -50,7 +51,7 @@ from ais_lightning.rollout.engine_args import (
     cuda_runtime_version,
 )
 from ais_lightning.rollout.kv_cache import FP8KVScales, KVWorkspace
-from ais_lightning.rollout.prompts import check_prompts, left_pad
+from ais_lightning.rollout.prompts import check_generate_args, context_length, left_pad
 from ais_lightning.rollout.sampling import check_uniforms, make_generator, sample_next
 from ais_lightning.rollout.torch_model import LeanLlama, lean_unsupported
 from ais_lightning.rollout.weight_sync import load_validated, requantize, validate_sync
@@ -64,12 +65,15 @@ __all__ = [
     "left_pad",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp8", "fp4", "int8", *NESTED_INT_RECIPES, "fp8_tensor", "fp8_channel")
-"""Weight/activation precisions the torch engine supports: the Bit-by-Bit integer recipes
+PRECISIONS = ("fp32", "bf16", "fp8", "fp4", "int8", *NESTED_INT_RECIPES, "fp8_tensor", "fp8_channel", "fp16")
+"""Weight/activation precisions the torch engine supports: ``fp32`` (the model as the trainer hands it over, in
+its own dtype), ``bf16`` / ``fp16`` (the copy cast to bfloat16 / float16), the quantized recipes: the Bit-by-Bit integer recipes
 (``int4``, ``int2``, their weight-only ``_w`` and outlier-split ``_ocs`` variants, the nested int8 grid;
 ``ais_lightning.quant.NESTED_INT_RECIPES``) are emulated on CPU: exact numerics, no speed-up.
 ``fp8_tensor`` / ``fp8_channel`` (per-tensor / per-row E4M3 scales) are the FP8 recipes the real FP8
 GEMM runs on every FP8 GPU (``backend="fp8_gemm"``); ``fp8`` (blockwise) runs there on Hopper only."""
+CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The precisions that cast the engine's copy of the model to a dtype (every weight, the head included)."""
 KV_CACHE_DTYPES = (None, "auto", "fp8")
 """KV-cache storage formats: None or ``"auto"`` = the model dtype, ``"fp8"`` = fake-quantized E4M3."""
 MODEL_IMPLS = ("auto", "lean", "transformers")
@@ -213,7 +217,8 @@ class TorchRolloutEngine:
 
     Args:
         model: a Hugging Face causal LM. It is deep-copied; the caller's module is never modified.
-        precision: ``fp32`` | ``bf16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4`` (NVFP4) | ``int8``.
+        precision: ``fp32`` (the model's own dtype) | ``bf16`` | ``fp16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4``
+            (NVFP4) | ``int8`` | ... (:data:`PRECISIONS`).
         kv_cache_dtype: None or ``"auto"`` (model dtype), or ``"fp8"`` (E4M3 fake-quantized, per-head scales).
         backend: quantization backend for fp8/fp4/int8: ``"emulate"`` (exact-numerics fake
             quantization, any device), ``"int8"`` (the int8 recipe on an integer GEMM, ``torch._int_mm``:
@@ -239,7 +244,29 @@ class TorchRolloutEngine:
             are calibrated by an unquantized pass over the prompts of the first ``generate`` and then observed at
             every prefill; each weight sync picks the channels from what the prefills since the previous sync
             saw. None: 0.1 for int8, 0.05 for fp8 (real LLMs' outlier features break both otherwise), 0 for the other
-            precisions (:data:`DEFAULT_OUTLIER_FRACTION`). Ignored at fp32/bf16.
+            precisions (:data:`DEFAULT_OUTLIER_FRACTION`). Ignored at fp32/bf16/fp16.
+        head_dtype: the precision of ``lm_head``'s projection (never quantized: :data:`ais_lightning.quant.linear.DEFAULT_SKIP`).
+            None / ``"auto"`` / ``"model"``: the engine's model dtype (fp32 for an fp32 model at fp32 or a quantized
+            precision, bf16 / fp16 at ``bf16`` / ``fp16``: the behaviour before this option); ``"float32"``: fp32
+            logits from the model-dtype hidden states and weights (:class:`ais_lightning.models.head.Float32Head`;
+            prime-rl's ``enable_fp32_lm_head``). Pair it with the trainer's ``Policy(head_dtype=...)``: with a bf16
+            or fp16 policy set both (``ais-train`` warns about a head in fp32 on one side only).
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
+        >>> from ais_lightning.policy import Policy
+        >>> from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
+        >>> model, tokenizer = build_tiny_qwen3(seed=0), build_char_tokenizer()
+        >>> engine = TorchRolloutEngine(model, precision="int8")  # a private int8 copy of the model
+        >>> batch = engine.generate([tokenizer.encode("1+2=")], SamplingConfig(n=2, max_new_tokens=4, seed=0))
+        >>> batch.rollout_logprobs.shape  # log mu of each sampled token, under the int8 forward [n, max_new_tokens]
+        torch.Size([2, 4])
+        >>> with torch.no_grad():  # the same tokens scored by the fp32 policy: log pi
+        ...     train = Policy(model, tokenizer).batch_logprobs(batch, temperature=1.0).logprobs
+        >>> bool((train - batch.rollout_logprobs)[batch.response_mask].abs().max() < 0.05)
+        True
+        >>> engine.sync_weights(model.named_parameters())  # after an optimizer step: re-quantize the new weights
     """
 
     PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
@@ -264,6 +291,7 @@ class TorchRolloutEngine:
         compact_below: float = 0.5,
         model_impl: str = "auto",
         outlier_fraction: float | None = None,
+        head_dtype: str | None = None,
     ) -> None:
         args = TorchRolloutEngine.check_args(
             precision=precision,
@@ -274,6 +302,7 @@ class TorchRolloutEngine:
             compact_below=compact_below,
             model_impl=model_impl,
             outlier_fraction=outlier_fraction,
+            head_dtype=head_dtype,
         )
         self.precision = args["precision"]
         self.kv_cache_dtype = args["kv_cache_dtype"]
@@ -282,6 +311,10 @@ class TorchRolloutEngine:
         self._outlier_fraction_arg = outlier_fraction
         self.outlier_fraction = args["outlier_fraction"]
         """Fraction of each quantized linear's input channels kept in high precision (None resolved)."""
+        self.head_dtype = args["head_dtype"]
+        """The precision of ``lm_head``'s projection (None: the model dtype; ``"float32"``)."""
+        self.float32_head: Float32Head | None = None
+        """The fp32 head installed on the private copy (``head_dtype="float32"``), else None."""
 
         self.model_impl = self.check_model(
             model, precision=self.precision, kv_cache_dtype=self.kv_cache_dtype, model_impl=args["model_impl"]
@@ -323,7 +356,8 @@ class TorchRolloutEngine:
         Unknown names, and values outside what the engine runs, raise ValueError naming the argument
         and the allowed values. Returns every argument with the constructor's defaults filled in and
         normalized: ``kv_cache_dtype`` ``"auto"`` -> None, ``backend`` None -> the precision's default,
-        ``outlier_fraction`` None -> the precision's default (0 at fp32/bf16).
+        ``outlier_fraction`` None -> the precision's default (0 at fp32/bf16/fp16), ``head_dtype`` ``"auto"`` /
+        ``"model"`` -> None.
         """
         name = "TorchRolloutEngine"
         args = bind_engine_args(TorchRolloutEngine, kwargs)
@@ -359,6 +393,9 @@ class TorchRolloutEngine:
         check_pad_token_id(name, args["pad_token_id"])
         check_choice(name, "model_impl", args["model_impl"], MODEL_IMPLS)
         args["outlier_fraction"] = _resolve_outlier_fraction(name, precision, args["outlier_fraction"])
+        args["head_dtype"] = (
+            "float32" if check_head_dtype(args["head_dtype"], f"head_dtype of {name}") else None
+        )
         if args["model_impl"] == "transformers" and args["kv_cache_dtype"] == "fp8":
             raise ValueError(
                 f"kv_cache_dtype='fp8' needs the lean forward in {name}; model_impl='transformers' runs the "
@@ -405,13 +442,15 @@ class TorchRolloutEngine:
             _check_engine_device("TorchRolloutEngine", str(device), "fp8_gemm", self.precision)
 
     def _prepare_model(self) -> None:
-        """Cast or quantize the private copy in place."""
-        if self.precision == "bf16":
-            self.model.to(torch.bfloat16)
+        """Cast or quantize the private copy in place; install the fp32 head (``head_dtype="float32"``)."""
+        if self.precision in CAST_DTYPES:
+            self.model.to(CAST_DTYPES[self.precision])
         elif self.precision in _DEFAULT_BACKEND:
             from ais_lightning.quant import get_recipe, quantize_model
 
             quantize_model(self.model, get_recipe(self.precision), backend=self.backend)
+        if self.head_dtype == "float32":
+            self.float32_head = Float32Head(self.model.get_output_embeddings())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -438,7 +477,7 @@ class TorchRolloutEngine:
         it holds (:func:`ais_lightning.quant.switch_recipe`), exactly as if the engine had been built at
         ``precision`` from its current weights; FP8 KV-cache scales, and the outlier channels at the new
         precision's ``outlier_fraction``, are recalibrated on the next prefill. A
-        precision that needs another backend or no quantization (fp32, bf16, int8 on the integer GEMM) raises ValueError
+        precision that needs another backend or no quantization (fp32, bf16, fp16, int8 on the integer GEMM) raises ValueError
         and changes nothing: build a new engine for those.
         """
         name = "TorchRolloutEngine.set_precision"
@@ -469,6 +508,7 @@ class TorchRolloutEngine:
             self.kv_scales.reset()
 
     # ------------------------------------------------------------- weight sync
+    @without_autocast
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights and buffers, all or nothing; re-quantize; recalibrate KV scales.
 
@@ -509,21 +549,27 @@ class TorchRolloutEngine:
         first, from the activation ranges the prefills since the previous sync saw)."""
         if self.outliers is not None:
             self.outliers.apply()
-        requantize(self.quantized)  # empty at fp32/bf16
+        requantize(self.quantized)  # empty at fp32/bf16/fp16
+        if self.float32_head is not None:
+            self.float32_head.refresh()
 
     # --------------------------------------------------------------- generate
     @torch.inference_mode()
+    @without_autocast
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, *, uniforms: torch.Tensor | None = None
     ) -> RolloutBatch:
         """Sample ``sampling.n`` responses per prompt (rows of one prompt are contiguous).
+
+        Computes in the engine's own precision: a caller's ``torch.autocast`` (Lightning's ``bf16-mixed``
+        around ``training_step``) is turned off inside, as in :meth:`sync_weights`.
 
         ``uniforms``: an optional ``[len(prompts) * n, >= max_new_tokens]`` table in [0, 1); row ``i``
         then samples step ``t`` with ``uniforms[i, t]`` (its own noise, kept through compaction) instead
         of the seeded generator, and the batch records the table in ``extras["uniforms"]`` so that rows
         can be generated again with the same noise (``ais_lightning.rollout.coupled.regenerate``).
         """
-        check_prompts(prompts, self.vocab_size)
+        check_generate_args(prompts, sampling, self.vocab_size, context_length(self.model))
         if uniforms is not None:
             check_uniforms(uniforms, (len(prompts) * sampling.n, -1))
             if uniforms.shape[1] < sampling.max_new_tokens:

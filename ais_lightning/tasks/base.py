@@ -133,6 +133,17 @@ class Task(abc.ABC):
             self.format = "chat" if chat_template else "bare"
         return self.format
 
+    def response_budget(self, problems: int = 256) -> int:
+        """A response length (in tokens) that holds this task's answers in its format: the longest reference
+        solution of ``problems`` problems (seed 0) in characters, plus the end of sequence, rounded up to a
+        power of two, at least 8. Characters bound the tokens of any tokenizer on ASCII text (a token holds at
+        least one character), and the rounding leaves a model that phrases the answer in its own words up to
+        twice the reference's length. ``algorithm.max_new_tokens`` left unset (null) is this budget, for the
+        format in effect. Override it for a task whose answers are not like its reference solutions."""
+        rng = random.Random(0)
+        longest = max(len(self.sample(rng).solution) for _ in range(problems))
+        return max(8, 1 << longest.bit_length())  # the power of two above longest, which leaves room for EOS
+
     @property
     def chat_format(self) -> bool:
         """Prompts and solutions are in the chat format (``format="chat"``; ``auto`` unresolved is bare)."""
@@ -241,6 +252,20 @@ def safe_rewards(
 
 
 # ----------------------------------------------------------------------------------------- text helpers
+
+
+SOLVED_REWARD = 1.0 - 1e-6
+"""A reward at least this solves its problem (the built-in tasks give 1.0 for a right answer): what accuracy counts."""
+
+
+def accuracy(rewards: Sequence[float]) -> float:
+    """The share of ``rewards`` that solve their problem (>= :data:`SOLVED_REWARD`); 0.0 for none.
+
+    >>> accuracy([1.0, 0.0, 0.5, 1.0])
+    0.5
+    """
+    rewards = list(rewards)
+    return sum(r >= SOLVED_REWARD for r in rewards) / len(rewards) if rewards else 0.0
 
 
 def batch_rewards(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ais_lightning.checks import check_int
 from ais_lightning.tasks import answers
 from ais_lightning.tasks.answers import normalize_answer
 from ais_lightning.tasks.base import (
@@ -58,19 +59,58 @@ def gold_answer(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip()
 
 
-def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+MAX_LINE_BYTES = 1 << 20
+"""Default bound on one line (one row) of a task file: 1 MiB, a thousand times a GSM8K row."""
+
+
+def check_row_size(path: Path, where: str, size: int | None, max_line_bytes: int | None) -> None:
+    """ValueError naming the file and ``where`` (``line 3``, ``row 3``) when a row of ``size`` bytes (None: a
+    line not read to its end) is over ``max_line_bytes`` (None: no bound)."""
+    if max_line_bytes is not None and (size is None or size > max_line_bytes):
+        measured = "" if size is None else f" ({size} bytes)"
+        raise ValueError(
+            f"gsm8k file {path} {where} is longer than task.max_line_bytes={max_line_bytes} bytes{measured}; "
+            "raise task.max_line_bytes (null: no bound) if the file is right"
+        )
+
+
+def _read_json_lines(path: Path, max_line_bytes: int | None) -> list[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line, reading at most ``max_line_bytes + 1`` bytes of any
+    line: a huge line is refused naming it before it is in memory."""
+    lines = []
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1
+    with open(path, "rb") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(limit)
+            if not raw:
+                break
+            lineno += 1
+            if max_line_bytes is not None and len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                check_row_size(path, f"line {lineno}", None, max_line_bytes)  # not read further
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"gsm8k file {path} is not UTF-8 text (line {lineno}: {err})") from None
+            if text.strip():
+                lines.append((lineno, text))
+    return lines
+
+
+def _read_json_rows(path: Path, max_line_bytes: int | None = MAX_LINE_BYTES) -> list[dict[str, Any]]:
     """Rows of a json-lines file (or one JSON array in a ``.json`` file), each a JSON object.
 
     ValueError naming the file (and the line for json lines) on invalid JSON, a row that is not an
-    object, text that is not UTF-8, or a file with no rows.
+    object, text that is not UTF-8, a line (or an array element) longer than ``max_line_bytes``, or a
+    file with no rows.
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"gsm8k file {path} is not UTF-8 text ({err})") from None
-    if not text.strip():
-        raise ValueError(f"gsm8k file {path} is empty (expected json lines with 'question' and 'answer')")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if path.suffix == ".json" and head.startswith(b"["):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"gsm8k file {path} is not UTF-8 text ({err})") from None
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
@@ -80,11 +120,14 @@ def _read_json_rows(path: Path) -> list[dict[str, Any]]:
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise ValueError(f"gsm8k file {path}: element {i} is not a JSON object: {str(row)[:80]!r}")
+            check_row_size(path, f"element {i}", len(json.dumps(row).encode()), max_line_bytes)
         return rows
+    lines = _read_json_lines(path, max_line_bytes)
+    if not lines:
+        raise ValueError(f"gsm8k file {path} is empty (expected json lines with 'question' and 'answer')")
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for lineno, line in lines:
+        line = line.rstrip("\r\n")
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
@@ -99,7 +142,10 @@ def _read_json_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def load_rows(
-    path: str | Path, use_datasets: bool | None = None, cache_dir: str | None = None
+    path: str | Path,
+    use_datasets: bool | None = None,
+    cache_dir: str | None = None,
+    max_line_bytes: int | None = MAX_LINE_BYTES,
 ) -> list[dict[str, Any]]:
     """Rows of a local ``.jsonl``/``.json`` or ``.parquet`` file.
 
@@ -108,9 +154,10 @@ def load_rows(
     needs ``pyarrow``). A local path only: nothing is downloaded. ``cache_dir`` is passed to
     ``load_dataset`` (None: the ``datasets`` default cache).
 
-    Json files are always parsed here first, so an empty file or a line that is not valid JSON is a
-    ValueError naming the file (and the line number), whichever backend reads the rows; a failure
-    inside ``datasets``/``pyarrow`` is re-raised as a ValueError naming the file.
+    Json files are always parsed here first, so an empty file, a line that is not valid JSON or a line
+    longer than ``max_line_bytes`` (None: no bound) is a ValueError naming the file and the line, whichever
+    backend reads the rows (a parquet row is measured once read); a failure inside ``datasets``/``pyarrow``
+    is re-raised as a ValueError naming the file.
     """
     path = Path(path)
     if not path.is_file():
@@ -120,7 +167,7 @@ def load_rows(
         raise ValueError(
             f"gsm8k file {path} is empty (expected a parquet table with 'question' and 'answer')"
         )
-    rows = _read_json_rows(path) if kind == "json" else None
+    rows = _read_json_rows(path, max_line_bytes) if kind == "json" else None
     if use_datasets is None:
         use_datasets = importlib.util.find_spec("datasets") is not None
     try:
@@ -155,6 +202,9 @@ class GSM8K(Task):
     """Read through ``datasets`` (True), plain json lines (False) or ``datasets`` if installed (None)."""
     cache_dir: str | None = None
     """Cache directory for ``datasets`` (None: its default, ``~/.cache/huggingface/datasets``)."""
+    max_line_bytes: int | None = MAX_LINE_BYTES
+    """Longest line (json lines) or row (question + answer, parquet / JSON array) the file may hold, in bytes;
+    a longer one is refused naming the file and the line before it is read whole. None: no bound."""
     format: str = "auto"
     """bare (the question, then GSM8K's worked answer ending in ``#### <gold>``), chat (the question asks for
     the answer in ``\\boxed{}``, the solution ends in it) or auto (chat when the policy prompts through its
@@ -187,11 +237,16 @@ class GSM8K(Task):
                     f"prompt_template must be a str.format template whose only field is {{question}} (write "
                     f"literal braces as {{{{ }}}}), got {self.prompt_template!r}: {err!r}"
                 ) from None
+        if self.max_line_bytes is not None:
+            check_int(self.max_line_bytes, "max_line_bytes")
         self._source = []
-        for i, row in enumerate(load_rows(self.path, self.use_datasets, self.cache_dir)):
+        rows = load_rows(self.path, self.use_datasets, self.cache_dir, self.max_line_bytes)
+        for i, row in enumerate(rows):
             for key in ("question", "answer"):
                 if not isinstance(row.get(key), str):
                     raise ValueError(f"{self.path} row {i} has no string field {key!r}")
+            size = len(row["question"].encode()) + len(row["answer"].encode())
+            check_row_size(Path(self.path), f"row {i}", size, self.max_line_bytes)  # parquet rows
             self._source.append((row["question"], row["answer"]))
         if not self._source:
             raise ValueError(f"{self.path} has no rows")

@@ -1,4 +1,4 @@
-"""Worker of the 2-process gloo sync test of the verl / TRL metrics and PSIS k-hat (imported by name).
+"""Worker of the 2-process gloo sync test of the verl / TRL / NeMo-RL / prime-rl metrics and PSIS k-hat.
 
 Not a test module: ``test_peer_metrics_distributed.py`` puts this directory on ``sys.path`` so that
 ``torch.multiprocessing.spawn`` can pickle ``run`` by reference.
@@ -14,8 +14,8 @@ from tests.gloo import gloo_group
 SCENARIOS = ("uneven", "one_rank_empty")
 
 
-def make_shard(scenario: str, rank: int) -> dict[str, torch.Tensor]:
-    """Deterministic data of one rank; shards differ in batch size, length and tail weight."""
+def make_shard(scenario: str, rank: int) -> dict:
+    """Deterministic data of one rank; shards differ in batch size, length, tail weight and task mix."""
     b, t = (20, 12) if rank == 0 else (14, 9)
     gen = torch.Generator().manual_seed(100 * SCENARIOS.index(scenario) + rank)
     rollout = -torch.rand(b, t, generator=gen) * 3.0 - 3.0  # [B, T]
@@ -25,19 +25,23 @@ def make_shard(scenario: str, rank: int) -> dict[str, torch.Tensor]:
     if rank == 1:  # a response far below mu: the largest log_ppl_diff and smallest mean ratio sit on rank 1
         train[0] = rollout[0] - 3.0
         mask[0] = True
+        train[1] = rollout[1]  # a response where pi = mu: the smallest seq_mult_prob_error (1) sits on rank 1
+        mask[1, 0] = True
     if scenario == "one_rank_empty" and rank == 1:
         mask = torch.zeros_like(mask)
-    return {"train": train, "rollout": rollout, "mask": mask}
+    # the per-task metrics: rank 0 alternates tasks a / b, rank 1 is mostly a
+    tasks = [("a", "b")[i % 2] if rank == 0 else ("b" if i % 3 == 0 else "a") for i in range(b)]
+    return {"train": train, "rollout": rollout, "mask": mask, "tasks": tasks}
 
 
 def build_metrics() -> dict:
     # max_tail = 16: the global top-17 spans both ranks, so merge_top is exercised.
-    return {"collection": MismatchDiagnostics(c=1.5), "khat16": PSISKHat(max_tail=16)}
+    return {"collection": MismatchDiagnostics(c=1.5, tasks=("a", "b")), "khat16": PSISKHat(max_tail=16)}
 
 
-def update(metrics: dict, shard: dict[str, torch.Tensor]) -> None:
-    for metric in metrics.values():
-        metric.update(shard["train"], shard["rollout"], shard["mask"])
+def update(metrics: dict, shard: dict) -> None:
+    metrics["collection"].update(shard["train"], shard["rollout"], shard["mask"], tasks=shard["tasks"])
+    metrics["khat16"].update(shard["train"], shard["rollout"], shard["mask"])
 
 
 def compute(metrics: dict) -> dict[str, float]:

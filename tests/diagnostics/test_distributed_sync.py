@@ -31,7 +31,7 @@ def test_two_process_gloo_sync_equals_single_process(tmp_path, worker):
         for rank in range(2):
             worker.update(metrics, worker.make_shard(scenario, rank))
         expected = worker.compute(metrics)
-        assert len(expected) == 37  # 34 collection metrics + entropy + 2 correction fractions
+        assert len(expected) == 51  # 48 collection metrics + entropy + 2 correction fractions
         for rank in range(2):
             got = per_rank[rank][scenario]
             assert got.keys() == expected.keys()
@@ -55,6 +55,7 @@ def test_shards_are_not_trivial(worker):
         "mismatch/psis_khat_seq",
         "mismatch/seq_ratio_frac_below",
         "mismatch/seq_ratio_min",
+        "mismatch/seq_mult_prob_error_min",
     }
     missing = set(global_values) - set(differing) - exercised_elsewhere
     assert not missing, sorted(missing)

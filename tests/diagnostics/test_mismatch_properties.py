@@ -108,6 +108,9 @@ def test_empty_mask_gives_documented_finite_values():
     # documented empty values: 1 for ratio-like quantities (ESS, ppl ratio, mean/min/max), 0 otherwise
     ones = {"ess", "ppl_ratio", "ratio_mean", "ratio_min", "ratio_max", "train_ppl", "rollout_ppl"}
     ones |= {"ppl_ratio_seq", "ess_clipped", "seq_ratio_mean", "seq_ratio_max", "seq_ratio_min"}
+    # NeMo-RL's multiplicative errors (1 = agreement) and verl's correlation (1 while undefined)
+    ones |= {"token_mult_prob_error", "probs_pearson", "seq_mult_prob_error_max"}
+    ones |= {"seq_mult_prob_error_mean", "seq_mult_prob_error_min"}
     for name, got in out.items():
         if name == "ais_lambda":
             assert math.isfinite(got)

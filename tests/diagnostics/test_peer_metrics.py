@@ -231,7 +231,12 @@ def test_collection_has_the_new_stable_names():
         "seq_ratio_frac_above", "seq_ratio_frac_below", "abs_log_ratio_mean", "abs_log_ratio_max",
         "psis_khat", "psis_khat_seq",
     }  # fmt: skip
-    assert new <= names and len(names) == 12 + len(new)
+    alignment = {  # NeMo-RL, verl debug metrics, prime-rl (tests/diagnostics/test_alignment_metrics.py)
+        "token_mult_prob_error", "seq_mult_prob_error_max", "seq_mult_prob_error_mean", "seq_mult_prob_error_min",
+        "kl_reverse", "policy_kl_error", "js", "js_divergence_error", "probs_diff_mean", "probs_diff_max",
+        "probs_diff_std", "probs_pearson", "kl_k3_std", "kl_k3_max",
+    }  # fmt: skip
+    assert new | alignment <= names and len(names) == 12 + len(new) + len(alignment)
 
 
 @pytest.mark.parametrize(

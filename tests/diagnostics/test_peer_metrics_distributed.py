@@ -1,4 +1,5 @@
-"""A real 2-process gloo sync of every ``MismatchDiagnostics`` metric, the verl / TRL ones and PSIS k-hat included."""
+"""A real 2-process gloo sync of every ``MismatchDiagnostics`` metric: the verl / TRL / NeMo-RL / prime-rl ones
+(per-task ones included) and PSIS k-hat."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.multiprocessing as mp
 from tests.gloo import free_port
 
 NEW = ("ppl", "log_ppl", "ratio_std", "ess_clipped", "seq_ratio", "abs_log_ratio", "psis_khat", "khat16")
+NEW += ("mult_prob_error", "kl_reverse", "policy_kl_error", "js", "probs_", "kl_k3_", "by_task")  # alignment
 
 
 @pytest.fixture

@@ -147,7 +147,7 @@ def test_wrong_type_fails_at_composition_naming_the_key():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("rollout.precision=fp16", "rollout.precision"),
+        ("rollout.precision=fp6", "rollout.precision"),
         ("corrector._target_=foo.Bar", "corrector._target_"),
         ("loss.aggregation=mean", "loss.aggregation"),
         ("algorithm.mini_batches=3", "algorithm.mini_batches"),

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ais_lightning.quant import (
@@ -65,6 +65,7 @@ def test_views_equal_direct_quantization_bit_for_bit(scaling, block):
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), bits=st.sampled_from([8, 4, 2]), scale=st.floats(1e-3, 1e3))
+@example(seed=629, bits=8, scale=227.0)  # a tie within rounding (found by hypothesis)
 def test_each_view_is_the_nearest_level(seed, bits, scale):
     """Brute force: among the 2^b levels (c + 1/2) * step, the view picks one at the least distance."""
     x = _randn(3, 40, seed=seed) * scale
@@ -75,7 +76,10 @@ def test_each_view_is_the_nearest_level(seed, bits, scale):
     levels = (codes + 0.5) * step[:, :, None]  # [3, 1, 2^b], computed as dequantize does
     dist = (x[:, :, None] - levels).abs()  # [3, 40, 2^b]
     best = dist.min(-1).values
-    assert torch.equal((x - view).abs(), best)  # no level is closer (truncation would be ~2x off)
+    # no level is closer (truncation would be ~2x off); at a tie (x half-way between two levels, seed=629,
+    # bits=8, scale=227) the two distances differ by the rounding of x - level: allow 2 ulps of x
+    ulp = torch.finfo(torch.float32).eps * x.abs()  # [3, 40]
+    assert bool((((x - view).abs() - best).abs() <= 2 * ulp).all())
 
 
 def test_all_zero_blocks_decode_to_exact_zeros():

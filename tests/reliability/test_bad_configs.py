@@ -36,7 +36,7 @@ def make(*overrides: str):
         ("trainer.num_nodes=0", "trainer.num_nodes"),
         ("trainer.strategy=ddp_spawn", "trainer.strategy"),
         ("logger.name=wandb", "logger.name"),
-        ("policy.dtype=float16", "policy.dtype"),
+        ("policy.dtype=float64", "policy.dtype"),
     ],
 )
 def test_bad_values_fail_validation_naming_the_key(override, key):

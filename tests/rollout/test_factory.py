@@ -25,7 +25,7 @@ def test_unknown_engine_raises():
         validate_engine_config("sglang", "fp32")
 
 
-@pytest.mark.parametrize("name, precision", [("torch", "fp16"), ("torch", "nvfp4"), ("te", "fp4")])
+@pytest.mark.parametrize("name, precision", [("torch", "fp6"), ("torch", "nvfp4"), ("te", "fp4")])
 def test_unknown_precision_raises(name, precision):
     with pytest.raises(
         ValueError, match=f"^precision='{precision}' is not supported by .*; precision must be one of"
@@ -66,7 +66,7 @@ def test_missing_vllm_says_what_to_install(monkeypatch):
 def test_missing_transformer_engine_says_what_to_install(monkeypatch):
     monkeypatch.setattr(engine_args, "has_package", lambda name: name != "transformer_engine")
     fake_cuda(monkeypatch, capability=(9, 0))
-    with pytest.raises(ValueError, match=r"pip install 'ais-lightning\[te\]'"):
+    with pytest.raises(ValueError, match=r"pip install --no-build-isolation 'ais-lightning\[te\]'"):
         validate_engine_config("te", "fp8")
 
 

@@ -106,11 +106,45 @@ def test_each_recipe_names_its_hardware_requirement(monkeypatch, recipe, capabil
     assert set(TE_RECIPE_REQUIREMENTS) == {"current", "block", "mxfp8"}
 
 
-def test_old_transformer_engine_is_named(monkeypatch):
-    _installed(monkeypatch, version=(2, 7, 0))
+@pytest.mark.parametrize("version", [(2, 7, 0), (2, 8, 0)])
+def test_old_transformer_engine_is_named(monkeypatch, version):
+    """TE 2.8 has only ``fp8_autocast``; ``te.autocast``, which the engine calls, first ships in 2.9."""
+    _installed(monkeypatch, version=version)
     fake_cuda(monkeypatch, capability=(9, 0))
-    with pytest.raises(ValueError, match=r"Transformer Engine \(te.autocast\) >= 2\.8, found .* 2\.7\.0"):
+    found = ".".join(map(str, version)).replace(".", r"\.")
+    with pytest.raises(ValueError, match=rf"Transformer Engine \(te.autocast\) >= 2\.9, found .* {found}"):
         TERolloutEngine.check_args()
+    _installed(monkeypatch, version=(2, 9, 0))
+    assert TERolloutEngine.check_args()["recipe"] == "current"
+
+
+def _te_stand_in(monkeypatch, api_of_2_8: bool):
+    """A stand-in ``transformer_engine.pytorch``: 2.8's API (``fp8_autocast`` only) or 2.9's (``autocast``)."""
+    import contextlib
+    import sys
+    import types
+
+    te = types.ModuleType("transformer_engine.pytorch")
+    te.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
+    if not api_of_2_8:
+        te.autocast = lambda **kwargs: contextlib.nullcontext()
+    package = types.ModuleType("transformer_engine")
+    package.pytorch = te
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    return te
+
+
+def test_transformer_engine_with_the_api_of_2_8_is_refused_on_import(monkeypatch):
+    """Whatever its metadata says (a source build, a renamed distribution), a TE without ``te.autocast`` is
+    refused when the engine imports it, naming the version, not at the first generate (AttributeError)."""
+    from ais_lightning.rollout.te_engine import import_transformer_engine
+
+    _te_stand_in(monkeypatch, api_of_2_8=True)
+    with pytest.raises(ImportError, match=r"Transformer Engine >= 2\.9.*te\.autocast.*fp8_autocast"):
+        import_transformer_engine()
+    te = _te_stand_in(monkeypatch, api_of_2_8=False)
+    assert import_transformer_engine() is te
 
 
 def _sampled_batch(model, seed=0, batch=32, prompt_len=6, new=16):

@@ -334,7 +334,7 @@ def test_sync_rejects_unknown_names_and_leaves_weights(model):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"precision": "fp16"}, "^precision='fp16'.*one of \\['fp32', 'bf16', 'fp8', 'fp4', 'int8', "),
+        ({"precision": "fp6"}, "^precision='fp6'.*one of \\['fp32', 'bf16', 'fp8', 'fp4', 'int8', "),
         ({"kv_cache_dtype": "int4"}, "^kv_cache_dtype='int4'.*one of \\[None, 'auto', 'fp8'\\]"),
         (
             {"precision": "fp32", "backend": "emulate"},
@@ -372,6 +372,7 @@ def test_check_args_fills_the_constructor_defaults_and_normalizes():
         "compact_below": 0.5,
         "model_impl": "auto",
         "outlier_fraction": 0.0,  # nothing is quantized at fp32
+        "head_dtype": None,  # the model dtype
     }
     args = TorchRolloutEngine.check_args(precision="fp4", kv_cache_dtype="auto")
     assert (args["backend"], args["kv_cache_dtype"], args["outlier_fraction"]) == ("emulate", None, 0.0)

@@ -565,3 +565,29 @@ def test_vllm_fp8_weights_and_kv_cache_follow_the_weights_on_gpu():
         assert new < FP8_LOGPROB_TOLERANCE < old
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vllm_close_returns_its_gpu_memory():
+    """``close`` gives vLLM's share of the GPU back (its engine core's shutdown), so the next engine of the
+    process finds it free: measured with ``torch.cuda.mem_get_info``, not taken on trust."""
+    pytest.importorskip("vllm")
+    from tests.gpu.realistic import realistic_tiny_qwen3
+
+    torch.cuda.set_device(0)
+    shares = []
+    for _ in range(2):  # the second engine is built after the first was closed
+        free_before = torch.cuda.mem_get_info(0)[0]
+        engine = VLLMRolloutEngine(realistic_tiny_qwen3(), precision="bf16", max_model_len=128, seed=0)
+        held = free_before - torch.cuda.mem_get_info(0)[0]
+        assert held > 0
+        batch = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=4, seed=0))
+        assert torch.isfinite(batch.rollout_logprobs).all()
+        engine.close()
+        left = free_before - torch.cuda.mem_get_info(0)[0]
+        print(f"vLLM held {held / 2**30:.2f} GiB; after close {left / 2**30:.3f} GiB not returned")
+        assert left < max(0.1 * held, 256 * 2**20)  # the CUDA context and library workspaces may stay
+        shares.append(held)
+    assert shares[1] > 0.8 * shares[0]  # the second engine got the same share: nothing was left held

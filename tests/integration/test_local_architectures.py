@@ -46,7 +46,8 @@ def test_grpo_on_a_local_model_of_another_family(tmp_path: Path, name: str):
 
 def test_quantized_rollouts_of_gpt2_fail_before_the_warm_start_and_name_the_layer(tmp_path: Path):
     path = _saved("gpt2", tmp_path)
-    args = [*SMOKE, "warmstart=default", "policy=local", f"policy.path={path}", "rollout=int8", "logger=none"]
+    args = [*SMOKE, "warmstart=default", "warmstart.enabled=true", "policy=local", f"policy.path={path}", "rollout=int8",
+            "logger=none"]  # fmt: skip
     with pytest.raises(
         AssertionError, match=r"rollout \(TorchRolloutEngine on the policy's model\).*c_attn.weight"
     ):
@@ -68,7 +69,7 @@ def test_a_local_model_prompted_in_its_chat_template(tmp_path: Path):
     out = tmp_path / "run"
     run_train(
         [*SMOKE, "policy=local", f"policy.path={path}", "policy.chat_template=true", "warmstart=default",
-         "warmstart.steps=2", "warmstart.eval_size=8", "warmstart.target_band=[0.0,1.0]", "logger=csv",
+         "warmstart.enabled=true", "warmstart.steps=2", "warmstart.eval_size=8", "warmstart.target_band=[0.0,1.0]", "logger=csv",
          f"hydra.run.dir={out}"],
         cwd=tmp_path,
     )  # fmt: skip

@@ -60,15 +60,20 @@ class DiskFullError(OSError):
     """A write failed because the file system is full; ``filename`` is the file that could not be written."""
 
 
-def disk_full(err: BaseException) -> OSError | None:
-    """The disk-full ``OSError`` behind ``err`` (itself, its cause or its context), else None."""
+def find_cause(err: BaseException | None, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception of ``err``'s chain (itself, then its cause or context, ...) that passes ``test``."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+        if test(err):
             return err
         err = err.__cause__ or err.__context__
     return None
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The disk-full ``OSError`` behind ``err`` (itself, its cause or its context), else None."""
+    return find_cause(err, lambda e: isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

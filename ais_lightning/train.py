@@ -131,17 +131,13 @@ def _mark_failed(logger: Any) -> str:
 
 def _disk_full_message(err: BaseException, cfg: DictConfig, logger: Any, failed: str) -> str | None:
     """The one-paragraph error of a run that ran out of disk space, or None if ``err`` is something else."""
-    from ais_lightning.files import disk_full
+    from ais_lightning.files import disk_full, find_cause
 
     full = disk_full(err)
     if full is not None:
         where = f"{full.strerror}: {full.filename}" if full.filename else str(full)
     else:
-        chain, seen = err, set()
-        while chain is not None and id(chain) not in seen and "database or disk is full" not in str(chain):
-            seen.add(id(chain))
-            chain = chain.__cause__ or chain.__context__
-        if chain is None or id(chain) in seen:
+        if find_cause(err, lambda e: "database or disk is full" in str(e)) is None:
             return None
         store = getattr(logger, "_tracking_uri", None) or "the MLflow store"
         where = f"{store} could not be written (database or disk is full)"

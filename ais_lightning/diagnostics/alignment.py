@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torchmetrics import Metric
 
+from ais_lightning.correctors.ais import k3_per_token
 from ais_lightning.diagnostics.base import (
     STATE_DTYPE,
     LogRatioMeanMetric,
@@ -227,7 +228,44 @@ class JensenShannon(LogRatioMeanMetric):
         return js_terms(delta, self.estimator), mask  # [B, T]
 
 
-class ProbabilityDiff(Metric):
+class _MomentMetric(Metric):
+    """Mean, Bessel-corrected std or max of per-token values over valid tokens, from sum-reduced states (sum, sum
+    of squares, count; max), so a sync is exact. Subclasses compute the values in ``update`` and call
+    :meth:`_add`. 0.0 when no valid token was seen (std: with fewer than 2)."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = False
+
+    def __init__(self, stat: str, stats: tuple[str, ...], **kwargs: Any) -> None:
+        if stat not in stats:
+            raise ValueError(f"stat must be one of {stats}, got {stat!r}")
+        super().__init__(**kwargs)
+        self.stat = stat
+        self.add_state("total", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
+        self.add_state("total_sq", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("extreme", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="max")
+
+    def _add(self, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Accumulate ``values`` (>= 0, float64) at the ``mask`` positions.  # both [B, T]"""
+        self.total += masked_sum(values, mask)
+        self.total_sq += masked_sum(values * values, mask)
+        self.count += mask.sum()
+        if values.numel():
+            self.extreme = torch.maximum(self.extreme, torch.where(mask, values, 0.0).amax())
+
+    def compute(self) -> torch.Tensor:
+        n = self.count.to(STATE_DTYPE)
+        if self.stat == "max":
+            return self.extreme.clone()
+        if self.stat == "mean":
+            return self.total / n.clamp(min=1.0)
+        var = (self.total_sq - self.total**2 / n.clamp(min=1.0)) / (n - 1.0).clamp(min=1.0)
+        return torch.where(n > 1, var.clamp(min=0.0).sqrt(), torch.zeros_like(var))
+
+
+class ProbabilityDiff(_MomentMetric):
     """verl's ``training/rollout_probs_diff_{mean,max,std}``: |pi_old - mu| of the sampled token (probability).
 
     Over valid tokens: ``mean``, ``max`` or ``std`` (Bessel-corrected, as ``torch.std`` in verl; 0.0 for
@@ -237,19 +275,8 @@ class ProbabilityDiff(Metric):
     ratio moves it more on likely tokens; it is no estimator of a divergence.
     """
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
-
     def __init__(self, stat: str = "mean", **kwargs: Any) -> None:
-        if stat not in PROBABILITY_DIFF_STATS:
-            raise ValueError(f"stat must be one of {PROBABILITY_DIFF_STATS}, got {stat!r}")
-        super().__init__(**kwargs)
-        self.stat = stat
-        self.add_state("total", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
-        self.add_state("total_sq", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("extreme", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="max")
+        super().__init__(stat, PROBABILITY_DIFF_STATS, **kwargs)
 
     def update(
         self,
@@ -262,20 +289,7 @@ class ProbabilityDiff(Metric):
         if log_ratio is None:
             check_logprob_inputs(train_logprobs, rollout_logprobs, mask)
         diff = (_probabilities(train_logprobs, mask) - _probabilities(rollout_logprobs, mask)).abs()  # [B, T]
-        self.total += masked_sum(diff, mask)
-        self.total_sq += masked_sum(diff * diff, mask)
-        self.count += mask.sum()
-        if diff.numel():
-            self.extreme = torch.maximum(self.extreme, torch.where(mask, diff, 0.0).amax())
-
-    def compute(self) -> torch.Tensor:
-        n = self.count.to(STATE_DTYPE)
-        if self.stat == "max":
-            return self.extreme.clone()
-        if self.stat == "mean":
-            return self.total / n.clamp(min=1.0)
-        var = (self.total_sq - self.total**2 / n.clamp(min=1.0)) / (n - 1.0).clamp(min=1.0)
-        return torch.where(n > 1, var.clamp(min=0.0).sqrt(), torch.zeros_like(var))
+        self._add(diff, mask)
 
 
 class ProbabilityCorrelation(Metric):
@@ -331,7 +345,7 @@ class ProbabilityCorrelation(Metric):
         return torch.where(defined, r, torch.ones_like(r))
 
 
-class MismatchKLStatistic(Metric):
+class MismatchKLStatistic(_MomentMetric):
     """prime-rl's ``mismatch_kl/{all,<env>}/{mean,std,max}``: a statistic of the per-token k3 over valid tokens.
 
     Per token k3 = w - 1 - delta (prime-rl's ``mismatch_kl``, NeMo-RL's ``gen_kl_error`` term); ``stat``:
@@ -343,22 +357,13 @@ class MismatchKLStatistic(Metric):
     token was seen.
     """
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
-
     def __init__(self, stat: str = "std", task: str | None = None, **kwargs: Any) -> None:
-        if stat not in KL_STATS:
+        if stat not in KL_STATS:  # checked first, as before: the message names stat whatever task is
             raise ValueError(f"stat must be one of {KL_STATS}, got {stat!r}")
         if task is not None and (not isinstance(task, str) or not task or "." in task):
             raise ValueError(f"task must be None or a non-empty name without '.', got {task!r}")
-        super().__init__(**kwargs)
-        self.stat = stat
+        super().__init__(stat, KL_STATS, **kwargs)
         self.task = task
-        self.add_state("total", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
-        self.add_state("total_sq", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("extreme", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="max")
 
     def update(
         self,
@@ -379,18 +384,4 @@ class MismatchKLStatistic(Metric):
                 )
             rows = torch.tensor([t == self.task for t in tasks], dtype=torch.bool, device=mask.device)  # [B]
             mask = mask & rows.unsqueeze(-1)  # [B, T]
-        k3 = (torch.expm1(delta) - delta).clamp(min=0.0)  # [B, T]
-        self.total += masked_sum(k3, mask)
-        self.total_sq += masked_sum(k3 * k3, mask)
-        self.count += mask.sum()
-        if k3.numel():
-            self.extreme = torch.maximum(self.extreme, torch.where(mask, k3, 0.0).amax())
-
-    def compute(self) -> torch.Tensor:
-        n = self.count.to(STATE_DTYPE)
-        if self.stat == "max":
-            return self.extreme.clone()
-        if self.stat == "mean":
-            return self.total / n.clamp(min=1.0)
-        var = (self.total_sq - self.total**2 / n.clamp(min=1.0)) / (n - 1.0).clamp(min=1.0)
-        return torch.where(n > 1, var.clamp(min=0.0).sqrt(), torch.zeros_like(var))
+        self._add(k3_per_token(delta), mask)  # [B, T]

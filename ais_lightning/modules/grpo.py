@@ -675,24 +675,23 @@ class GRPOModule(LightningModule):
         finite on some rank. Merged over micro-batches, ``LossOutput.shares`` stats add up, ``*_max`` stats
         take the largest, the others are averaged weighted by rows."""
         rows = part.rewards.shape[0]
-        if not self._micro_batching(rows):
-            out = self._loss(part)
-            if not self._all_ranks_finite(out.loss.detach()):
-                return None
-            self.manual_backward(self._scaled(out.loss))
-            return out.stats
-        size = self.settings.micro_batch_size
-        denominator = self.loss_fn.denominator(
-            part.loss_mask, part.train_logprobs, part.rollout.rollout_logprobs
-        )  # the whole mini-batch's count
+        micro = self._micro_batching(rows)
+        size = self.settings.micro_batch_size if micro else max(rows, 1)  # one pass over the whole mini-batch
+        denominator = (  # the whole mini-batch's count; None: the loss counts its one (micro-)batch itself
+            self.loss_fn.denominator(part.loss_mask, part.train_logprobs, part.rollout.rollout_logprobs)
+            if micro
+            else None
+        )
         merged: dict[str, float] = {}
         for start in range(0, rows, size):
             index = torch.arange(start, min(start + size, rows))
-            out = self._loss(part.rows(index), denominator=denominator)
+            out = self._loss(part.rows(index) if micro else part, denominator=denominator)
             if not self._all_ranks_finite(out.loss.detach()):
                 self.optimizers().zero_grad(set_to_none=True)
                 return None
             self.manual_backward(self._scaled(out.loss))
+            if not micro:
+                return out.stats
             share = index.numel() / rows
             for k, v in out.stats.items():
                 if k in out.shares:

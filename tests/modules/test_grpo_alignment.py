@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from ais_lightning.correctors import NoCorrection
 from ais_lightning.losses import GRPOLoss, group_advantages
@@ -21,16 +19,9 @@ from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
 from ais_lightning.rollout import TorchRolloutEngine
-from ais_lightning.tasks.arithmetic import Arithmetic
+from tests.modules.test_grpo_module import OddCharacters, _fit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class OddCharacters(Arithmetic):
-    """A reward an untrained model already varies on (so advantages are not all zero)."""
-
-    def reward(self, prompts, completions, **fields):
-        return [sum(ord(c) % 2 for c in text) / max(len(text), 1) for text in completions]
 
 
 class Shifted:
@@ -74,21 +65,6 @@ def _module(engine_factory=fp32, eval_engine_factory=None, **settings) -> Record
         eval_engine_factory=eval_engine_factory,
         settings=GRPOSettings(group_size=4, max_new_tokens=4, lr=1e-3, **settings),
     )
-
-
-def _fit(module: GRPOModule) -> L.Trainer:
-    batch = {"prompt": ["1+2=", "3+4=", "5+1="], "solution": ["3", "7", "6"], "answer": [3, 7, 6]}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
-    return trainer
 
 
 def test_a_mismatched_response_is_dropped_before_the_advantages():

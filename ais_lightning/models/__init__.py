@@ -2,7 +2,6 @@
 Hugging Face causal LMs: their output head (:mod:`.head`) and their preparation for training (:mod:`.training`)."""
 
 from ais_lightning.models.tiny import build_tiny_qwen3, save_tiny_model, tiny_qwen3_config
-from ais_lightning.models.tiny_moe import build_tiny_qwen3_moe, tiny_qwen3_moe_config
 from ais_lightning.models.tiny_diffusion import (
     MASK_TOKEN_ID,
     TinyDiffusionConfig,
@@ -11,6 +10,7 @@ from ais_lightning.models.tiny_diffusion import (
     build_tiny_diffusion,
     tiny_diffusion_config,
 )
+from ais_lightning.models.tiny_moe import build_tiny_qwen3_moe, tiny_qwen3_moe_config
 from ais_lightning.models.tokenizer import build_char_tokenizer
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 

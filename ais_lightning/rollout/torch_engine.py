@@ -154,9 +154,10 @@ def _resolve_outlier_fraction(name: str, precision: str, fraction: float | None)
 
 
 def _quantized_modules(model: nn.Module) -> list[nn.Module]:
-    from ais_lightning.quant import QuantLinear
+    """Every QuantLinear of ``model``, the per-expert layers of quantized experts included."""
+    from ais_lightning.quant import quantized_layers
 
-    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return quantized_layers(model)
 
 
 def _module_device(model: nn.Module) -> torch.device:

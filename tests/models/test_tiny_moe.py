@@ -10,10 +10,17 @@ from transformers import Qwen3MoeForCausalLM
 from ais_lightning.models import build_tiny_qwen3_moe, tiny_qwen3_moe_config
 from ais_lightning.policy import POLICIES, Policy, TinyQwen3Moe
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def test_config_and_fused_expert_layout():
     cfg = tiny_qwen3_moe_config()
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 96, True)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (
+        8,
+        2,
+        96,
+        True,
+    )
     assert cfg._experts_implementation == "eager" and cfg._attn_implementation == "eager"
     model = build_tiny_qwen3_moe()
     assert isinstance(model, Qwen3MoeForCausalLM)

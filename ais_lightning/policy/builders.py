@@ -149,9 +149,19 @@ class TinyQwen3Moe:
     """Not supported for mixture-of-experts policies (the quantized experts run in rollout engines only): None."""
     aligned_schedule: list[list[Any]] | None = None
     """Not supported for mixture-of-experts policies: None."""
+    router_replay: bool = False
+    """Rollout routing replay (R3): the trainer's forward routes every token through the experts the rollout
+    engine picked (``RolloutBatch.routing``), with gate weights from its own router (as slime and verl do)."""
 
     def __post_init__(self) -> None:
         _check_common(self.dtype, self.logprob_chunk_size, None)
+        if not isinstance(self.router_replay, bool):
+            raise ValueError(f"router_replay must be true or false, got {self.router_replay!r}")
+        if self.router_replay and self.gradient_checkpointing:
+            raise ValueError(
+                "policy.router_replay=true with policy.gradient_checkpointing=true is not supported yet (the recomputed "
+                "layers would route again in backward)"
+            )
         for name in ("aligned_quantization", "aligned_schedule"):
             if getattr(self, name) is not None:
                 raise ValueError(
@@ -177,6 +187,7 @@ class TinyQwen3Moe:
             build_char_tokenizer(),
             self.logprob_chunk_size,
             gradient_checkpointing=self.gradient_checkpointing,
+            router_replay=self.router_replay,
         )
 
 

@@ -30,6 +30,7 @@ from ais_lightning.models.head import (
     logit_transform,
 )
 from ais_lightning.models.prompting import check_chat_template, encode_prompts
+from ais_lightning.models.routing import RoutingReplay, moe_routers, replay_gate_weights, routing_replay_mask
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.ops import (
     autograd_usable,
@@ -374,6 +375,7 @@ class Policy(nn.Module):
         disable_dropout: bool = True,
         gradient_checkpointing: bool = False,
         chat_template: bool = False,
+        router_replay: bool = False,
     ) -> None:
         super().__init__()
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -414,6 +416,48 @@ class Policy(nn.Module):
         self.aligned_schedule: tuple[tuple[int, str], ...] | None = aligned_schedule
         """Progressive precision (Bit-by-Bit, arXiv 2604.07888): ``((start_rollout_step, recipe), ...)``, the
         aligned forward's recipe by stage (:meth:`set_aligned_step` moves to a step's stage); None = one recipe."""
+        self.router_replay = self._check_router_replay(model, router_replay, gradient_checkpointing)
+        """Rollout routing replay (R3): the forward routes each token through the experts the engine picked
+        (``RolloutBatch.routing``), with gate weights from the trainer's own router (:mod:`ais_lightning.models.routing`)."""
+        routers = moe_routers(model)
+        self.routing_replay = RoutingReplay(routers) if routers else None
+        """The hooks on a mixture-of-experts model's routers (None for a dense model): they replay the engine's
+        routing when :attr:`router_replay`, and keep the trainer's own top-k of the last scored batch
+        (``routing_replay.last_routing()``) for the routing-disagreement metric either way."""
+
+    @staticmethod
+    def _check_router_replay(model: nn.Module, router_replay: bool, gradient_checkpointing: bool) -> bool:
+        """``router_replay`` checked against the model (ValueError naming ``router_replay`` otherwise): a
+        mixture-of-experts model whose routers' gate weights :func:`replay_gate_weights` reproduces, without
+        activation checkpointing (a recomputed layer would route again outside the replayed forward)."""
+        if not isinstance(router_replay, bool):
+            raise ValueError(f"router_replay must be true or false, got {router_replay!r}")
+        if not router_replay:
+            return False
+        routers = moe_routers(model)
+        if not routers:
+            raise ValueError(
+                f"router_replay=true replays a mixture-of-experts model's routing, but {type(model).__name__} has "
+                "no top-k routers"
+            )
+        if gradient_checkpointing:
+            raise ValueError(
+                "router_replay=true with gradient_checkpointing=true is not supported yet: the recomputed layers "
+                "would route again in backward; set one of them to false"
+            )
+        router = routers[0]
+        weight = router.weight
+        if not weight.is_meta and type(weight).__name__ != "DTensor":
+            with torch.no_grad():
+                probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
+                logits, gates, index = router(probe.to(device=weight.device, dtype=weight.dtype))
+                ours = replay_gate_weights(logits, index, bool(getattr(router, "norm_topk_prob", False)))
+            if not torch.allclose(ours.float(), gates.float(), rtol=1e-4, atol=1e-6):
+                raise ValueError(
+                    f"router_replay=true: {type(router).__name__}'s gate weights are not softmax(logits) at its "
+                    "top-k (renormalized with norm_topk_prob), which replay recomputes; this router is not supported"
+                )
+        return True
 
     @staticmethod
     def _checked_logit_transform(model: nn.Module) -> LogitTransform:
@@ -585,16 +629,23 @@ class Policy(nn.Module):
         compute_entropy: bool = False,
         chunk_size: int = 1024,
         entropy_grad: bool = True,
+        routing: torch.Tensor | None = None,
     ) -> LogprobTensors:
         """``(logprobs, entropy, impurity)`` as plain tensors (so FSDP/DDP hooks see them; the last two None
         unless ``compute_entropy``); see :meth:`response_logprobs`."""
         input_ids, attention_mask, position_ids = build_sequences(
             prompt_ids, prompt_mask, response_ids, response_mask
         )
-        return self._logprobs_fn()(
-            input_ids, attention_mask, position_ids, response_ids, response_mask,
+        fn = functools.partial(
+            self._logprobs_fn(), input_ids, attention_mask, position_ids, response_ids, response_mask,
             temperature, compute_entropy, chunk_size, entropy_grad,
         )  # fmt: skip
+        if self.routing_replay is None:
+            return fn()
+        replayed = routing if self.router_replay else None
+        mask = routing_replay_mask(prompt_mask, response_mask) if replayed is not None else None
+        with self.routing_replay.replay(replayed, mask, tuple(input_ids.shape)):
+            return fn()
 
     def response_logprobs(
         self,
@@ -606,6 +657,7 @@ class Policy(nn.Module):
         compute_entropy: bool = False,
         chunk_size: int = 1024,
         entropy_grad: bool = True,
+        routing: torch.Tensor | None = None,
     ) -> ResponseLogprobs:
         """Log-prob of each response token under ``softmax(logits / temperature)``.
 
@@ -613,11 +665,12 @@ class Policy(nn.Module):
         The decoder body runs once; ``lm_head`` + log-softmax run on ``chunk_size`` valid tokens at a time,
         so the ``[B, T, V]`` logits never fully exist. Gradients flow to the model (use ``torch.no_grad()``
         for pi_old); to the entropies only with ``entropy_grad`` (False: values only, and a lighter backward;
-        the log-probs and their gradients are the same either way), never to the impurities.
+        the log-probs and their gradients are the same either way), never to the impurities. ``routing``: the
+        engine's ``[B, P + T, L, k]`` expert ids (``RolloutBatch.routing``), replayed when :attr:`router_replay`.
         """
         logprobs, entropy, impurity = self(
             prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size,
-            entropy_grad,
+            entropy_grad, routing,
         )  # fmt: skip
         return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
 
@@ -648,6 +701,7 @@ class Policy(nn.Module):
             compute_entropy=compute_entropy,
             chunk_size=self.logprob_chunk_size,
             entropy_grad=entropy_grad,
+            routing=autograd_usable(getattr(batch, "routing", None)),
         )
 
     def build_engine(self, precision: str = "fp32", **engine_kwargs: Any) -> Any:

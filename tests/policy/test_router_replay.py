@@ -1,0 +1,131 @@
+"""Rollout routing replay (R3): the engine records every token's experts, the trainer's forward replays them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ais_lightning.models import build_tiny_qwen3, build_tiny_qwen3_moe
+from ais_lightning.models.routing import (
+    moe_routers,
+    replay_gate_weights,
+    routing_dtype,
+    routing_replay_mask,
+    topk_sets_differ,
+)
+from ais_lightning.policy import Policy
+from ais_lightning.rollout import TorchRolloutEngine
+from ais_lightning.rollout.base import SamplingConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
+SAMPLING = SamplingConfig(n=4, max_new_tokens=12, stop_token_ids=[2], seed=0)
+
+
+def test_replay_mask_by_hand():
+    prompt_mask = torch.tensor([[False, True, True], [True, True, True]])
+    response_mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    expected = torch.tensor(
+        [
+            [
+                False,
+                True,
+                True,
+                True,
+                True,
+                False,
+                False,
+            ],  # last valid response token (t = 2) is not replayed
+            [True, True, True, True, True, True, False],
+        ]
+    )
+    assert torch.equal(routing_replay_mask(prompt_mask, response_mask), expected)
+
+
+def test_gate_weights_reproduce_the_router_on_its_own_experts_and_sets_ignore_order():
+    router = moe_routers(build_tiny_qwen3_moe(seed=0))[2]
+    with torch.no_grad():
+        logits, weights, index = router(torch.randn(6, 128))
+    torch.testing.assert_close(replay_gate_weights(logits, index, normalize=True), weights)
+    probs = logits.softmax(-1)
+    swapped = index.flip(-1)
+    torch.testing.assert_close(replay_gate_weights(logits, swapped, False), probs.gather(-1, swapped))
+    assert not topk_sets_differ(index, swapped).any()
+    assert topk_sets_differ(index, (index + 1) % 8).all()
+    assert routing_dtype(8) == torch.uint8 and routing_dtype(300) == torch.int16
+
+
+def test_engine_records_every_position_and_agrees_with_the_trainer_at_fp32():
+    model = build_tiny_qwen3_moe(seed=0)
+    batch = TorchRolloutEngine(model, "fp32").generate(PROMPTS, SAMPLING)
+    b, p, t = batch.response_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    assert batch.routing.shape == (b, p + t, 4, 2) and batch.routing.dtype == torch.uint8
+    policy = Policy(model)  # no replay: the trainer routes by itself, and its own top-k is kept
+    with torch.no_grad():
+        policy.batch_logprobs(batch)
+    own, used = policy.routing_replay.last_routing()  # [B, P + T, L, k] each
+    mask = routing_replay_mask(batch.prompt_mask, batch.response_mask)
+    assert torch.equal(own, used)
+    assert torch.equal(
+        own[mask], batch.routing[mask].long()
+    )  # same experts, same order, every token and layer
+    assert TorchRolloutEngine(build_tiny_qwen3(), "fp32").generate(PROMPTS, SAMPLING).routing is None
+
+
+def test_with_replay_the_trainer_uses_the_engines_experts_for_every_token():
+    """Token by token at fp4, where the engine's routers disagree with the trainer's on many tokens."""
+    model = build_tiny_qwen3_moe(seed=0)
+    batch = TorchRolloutEngine(model, "fp4").generate(PROMPTS, SAMPLING)
+    mask = routing_replay_mask(batch.prompt_mask, batch.response_mask)  # [B, P + T]
+    engine = batch.routing.long()  # [B, P + T, L, k]
+    policy = Policy(copy.deepcopy(model), router_replay=True)
+    with torch.no_grad():
+        replayed = policy.batch_logprobs(batch).logprobs
+    own, used = policy.routing_replay.last_routing()
+    assert topk_sets_differ(own, engine)[
+        mask
+    ].any()  # without replay the trainer would route some differently
+    for row, pos in mask.nonzero().tolist():  # every replayed token, every layer: the engine's experts
+        assert torch.equal(used[row, pos], engine[row, pos]), (row, pos)
+    assert torch.equal(used[~mask], own[~mask])  # elsewhere the trainer's own routing
+    with torch.no_grad():
+        plain = Policy(copy.deepcopy(model)).batch_logprobs(batch).logprobs
+    assert not torch.equal(replayed, plain)
+
+
+def test_replay_routes_through_given_experts_and_trains_the_router():
+    model = build_tiny_qwen3_moe(seed=0)
+    batch = TorchRolloutEngine(model, "fp32").generate(PROMPTS, SAMPLING)
+    shifted = (batch.routing.long() + 3) % 8  # other experts everywhere
+    batch.routing = shifted.to(torch.uint8)
+    policy = Policy(model, router_replay=True)
+    logprobs = policy.batch_logprobs(batch).logprobs
+    _, used = policy.routing_replay.last_routing()
+    mask = routing_replay_mask(batch.prompt_mask, batch.response_mask)
+    assert torch.equal(used[mask], shifted[mask])
+    logprobs[batch.response_mask.clone()].sum().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
+
+
+def test_deep_copies_replay_on_their_own_routers():
+    policy = Policy(build_tiny_qwen3_moe(seed=0), router_replay=True)
+    reference = copy.deepcopy(policy)  # GRPO's reference policy
+    batch = TorchRolloutEngine(policy.model, "fp32").generate(PROMPTS, SAMPLING)
+    with torch.no_grad():
+        reference.batch_logprobs(batch)
+    assert reference.routing_replay.last is not None and policy.routing_replay.last is None
+
+
+def test_bad_options_and_routing_are_refused():
+    with pytest.raises(ValueError, match="router_replay=true .* TinyQwen3|no top-k routers"):
+        Policy(build_tiny_qwen3(), router_replay=True)
+    with pytest.raises(ValueError, match="router_replay=true with gradient_checkpointing"):
+        Policy(build_tiny_qwen3_moe(), router_replay=True, gradient_checkpointing=True)
+    policy = Policy(build_tiny_qwen3_moe(), router_replay=True)
+    batch = TorchRolloutEngine(policy.model, "fp32").generate(PROMPTS, SAMPLING)
+    batch.routing = batch.routing[:, :, :3]
+    with pytest.raises(ValueError, match=r"routing must be \[B, P \+ T, L, k\]"):
+        policy.batch_logprobs(batch)

@@ -16,6 +16,7 @@ from ais_lightning.diagnostics.mismatch import (
 )
 from ais_lightning.diagnostics.perplexity import LogPerplexityDiff, SequencePerplexity
 from ais_lightning.diagnostics.psis import PSISKHat
+from ais_lightning.diagnostics.routing import RoutingDisagreement
 from ais_lightning.diagnostics.weights import AbsLogRatio, ClippedRatioMoment, SequenceRatioStatistic
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "PSISKHat",
     "PerplexityRatio",
     "RatioStatistic",
+    "RoutingDisagreement",
     "SequencePerplexity",
     "SequenceRatioStatistic",
     "TokenEntropy",

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ais_lightning.ops import topk_sets_differ
+
 __all__ = [
     "RoutingRecorder",
     "RoutingReplay",
@@ -95,11 +97,6 @@ def replay_gate_weights(router_logits: torch.Tensor, index: torch.Tensor, normal
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype)
-
-
-def topk_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Whether two routings pick different expert *sets* (order ignored): ``[..., k]`` each -> ``[...]`` bool."""
-    return (a.long().sort(dim=-1).values != b.long().sort(dim=-1).values).any(dim=-1)
 
 
 _RECORDER_ATTR = "_ais_routing_recorder"

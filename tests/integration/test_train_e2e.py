@@ -162,3 +162,20 @@ def test_gradient_checkpointing_trains_the_same_run(tmp_path: Path):
     for a, b in zip(plain, checkpointed):
         for key in ("reward", "kl_k3", "entropy", "lambda"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
+
+
+def test_moe_policy_with_int8_rollouts_and_router_replay(tmp_path: Path):
+    """Issue 36's acceptance command: the tiny MoE, quantized experts, routing replay, disagreement logged."""
+    import csv
+
+    out = tmp_path / "run"
+    args = [*SMOKE, "policy=tiny_qwen3_moe", "rollout=int8", "policy.router_replay=true", "logger=csv"]
+    proc = run_train([*args, f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert "TorchRolloutEngine int8 (transformers forward)" in proc.stdout
+    rows = list(csv.DictReader((out / "csv" / "version_0" / "metrics.csv").open()))
+    logged = [r for r in rows if r.get("routing/disagreement")]
+    assert len(logged) == 2  # one per rollout step, beside the mismatch KL
+    for row in logged:
+        assert 0.0 <= float(row["routing/disagreement"]) < 1.0
+        assert math.isfinite(float(row["mismatch/kl_k3"]))
+        assert "routing/disagreement_layer3" in row

@@ -69,3 +69,15 @@ def test_set_precision_switches_the_experts():
     engine.set_precision("int4")
     assert {layer.recipe.name for layer in engine.quantized} == {"int4"}
     assert engine.model.model.layers[3].mlp.experts.down[2].recipe.name == "int4"
+
+
+def test_calibration_state_restores_the_experts_outlier_channels():
+    """What a resumed run restores: the outlier channels of every expert layer (checkpointed engine calibration)."""
+    model = build_tiny_qwen3_moe(seed=0)
+    first = TorchRolloutEngine(model, "int8", backend="emulate")
+    first.generate(PROMPTS, _sampling())  # calibrates every layer on the tokens it saw
+    resumed = TorchRolloutEngine(model, "int8", backend="emulate")
+    resumed.load_calibration_state(first.calibration_state())
+    a, b = first.generate(PROMPTS, _sampling(2)), resumed.generate(PROMPTS, _sampling(2))
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    assert torch.equal(a.routing, b.routing)

@@ -234,6 +234,22 @@ class RoutingReplay:
             if all(t is not None for t in plan.own):
                 self.last = plan
 
+    def checkpoint_contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` of torch's non-reentrant activation checkpointing: a checkpointed layer is recomputed in
+        backward under the replay plan that was active at its forward (so it routes to the same experts), whatever
+        ran in between."""
+        return contextlib.nullcontext(), self._under(self.plan)
+
+    @contextlib.contextmanager
+    def _under(self, plan: ReplayPlan | None) -> Iterator[None]:
+        previous, self.plan = self.plan, plan
+        try:
+            yield
+        finally:
+            self.plan = previous
+
     def last_routing(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(own, used)``, each ``[B, S, L, k]``, of the last forward run inside :meth:`replay` (None before)."""
         if self.last is None:

@@ -157,11 +157,6 @@ class TinyQwen3Moe:
         _check_common(self.dtype, self.logprob_chunk_size, None)
         if not isinstance(self.router_replay, bool):
             raise ValueError(f"router_replay must be true or false, got {self.router_replay!r}")
-        if self.router_replay and self.gradient_checkpointing:
-            raise ValueError(
-                "policy.router_replay=true with policy.gradient_checkpointing=true is not supported yet (the recomputed "
-                "layers would route again in backward)"
-            )
         for name in ("aligned_quantization", "aligned_schedule"):
             if getattr(self, name) is not None:
                 raise ValueError(

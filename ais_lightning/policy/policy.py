@@ -391,8 +391,14 @@ class Policy(nn.Module):
         self.model = model.train()  # Hugging Face's from_pretrained returns eval mode; Lightning keeps modes
         if disable_dropout:
             disable_dropout_in(model)
-        if gradient_checkpointing:
-            enable_activation_checkpointing(model)
+        routers = moe_routers(model)
+        self.routing_replay = RoutingReplay(routers) if routers else None
+        """The hooks on a mixture-of-experts model's routers (None for a dense model): they replay the engine's
+        routing when :attr:`router_replay`, and keep the trainer's own top-k of the last scored batch
+        (``routing_replay.last_routing()``) for the routing-disagreement metric either way."""
+        if gradient_checkpointing:  # a recomputed layer routes as its forward did
+            replay = self.routing_replay
+            enable_activation_checkpointing(model, replay.checkpoint_contexts if replay is not None else None)
         self.logit_transform = self._checked_logit_transform(model)
         """What the model's forward does to ``lm_head``'s logits (Granite's scaling, Gemma 2's soft cap, ...),
         applied by the chunked head too (:mod:`ais_lightning.models.head`)."""
@@ -416,20 +422,14 @@ class Policy(nn.Module):
         self.aligned_schedule: tuple[tuple[int, str], ...] | None = aligned_schedule
         """Progressive precision (Bit-by-Bit, arXiv 2604.07888): ``((start_rollout_step, recipe), ...)``, the
         aligned forward's recipe by stage (:meth:`set_aligned_step` moves to a step's stage); None = one recipe."""
-        self.router_replay = self._check_router_replay(model, router_replay, gradient_checkpointing)
+        self.router_replay = self._check_router_replay(model, router_replay)
         """Rollout routing replay (R3): the forward routes each token through the experts the engine picked
         (``RolloutBatch.routing``), with gate weights from the trainer's own router (:mod:`ais_lightning.models.routing`)."""
-        routers = moe_routers(model)
-        self.routing_replay = RoutingReplay(routers) if routers else None
-        """The hooks on a mixture-of-experts model's routers (None for a dense model): they replay the engine's
-        routing when :attr:`router_replay`, and keep the trainer's own top-k of the last scored batch
-        (``routing_replay.last_routing()``) for the routing-disagreement metric either way."""
 
     @staticmethod
-    def _check_router_replay(model: nn.Module, router_replay: bool, gradient_checkpointing: bool) -> bool:
+    def _check_router_replay(model: nn.Module, router_replay: bool) -> bool:
         """``router_replay`` checked against the model (ValueError naming ``router_replay`` otherwise): a
-        mixture-of-experts model whose routers' gate weights :func:`replay_gate_weights` reproduces, without
-        activation checkpointing (a recomputed layer would route again outside the replayed forward)."""
+        mixture-of-experts model whose routers' gate weights :func:`replay_gate_weights` reproduces."""
         if not isinstance(router_replay, bool):
             raise ValueError(f"router_replay must be true or false, got {router_replay!r}")
         if not router_replay:
@@ -439,11 +439,6 @@ class Policy(nn.Module):
             raise ValueError(
                 f"router_replay=true replays a mixture-of-experts model's routing, but {type(model).__name__} has "
                 "no top-k routers"
-            )
-        if gradient_checkpointing:
-            raise ValueError(
-                "router_replay=true with gradient_checkpointing=true is not supported yet: the recomputed layers "
-                "would route again in backward; set one of them to false"
             )
         router = routers[0]
         weight = router.weight

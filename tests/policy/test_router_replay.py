@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -122,10 +123,26 @@ def test_deep_copies_replay_on_their_own_routers():
 def test_bad_options_and_routing_are_refused():
     with pytest.raises(ValueError, match="router_replay=true .* TinyQwen3|no top-k routers"):
         Policy(build_tiny_qwen3(), router_replay=True)
-    with pytest.raises(ValueError, match="router_replay=true with gradient_checkpointing"):
-        Policy(build_tiny_qwen3_moe(), router_replay=True, gradient_checkpointing=True)
     policy = Policy(build_tiny_qwen3_moe(), router_replay=True)
     batch = TorchRolloutEngine(policy.model, "fp32").generate(PROMPTS, SAMPLING)
     batch.routing = batch.routing[:, :, :3]
     with pytest.raises(ValueError, match=r"routing must be \[B, P \+ T, L, k\]"):
         policy.batch_logprobs(batch)
+
+
+def test_activation_checkpointing_recomputes_layers_under_the_replayed_routing():
+    """Backward recomputes each layer: it must route as the replayed forward did, even after other forwards."""
+    model = build_tiny_qwen3_moe(seed=0)
+    batch = TorchRolloutEngine(model, "fp32").generate(PROMPTS, SAMPLING)
+    batch.routing = ((batch.routing.long() + 3) % 8).to(torch.uint8)  # far from the trainer's own routing
+    mask = batch.response_mask.clone()
+    grads = []
+    for checkpointing in (False, True):
+        policy = Policy(copy.deepcopy(model), router_replay=True, gradient_checkpointing=checkpointing)
+        logprobs = policy.batch_logprobs(batch).logprobs
+        with torch.no_grad():  # another forward in between (pi_old of another batch, a reference, ...)
+            policy.batch_logprobs(dataclasses.replace(batch, routing=None))
+        logprobs[mask].sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)

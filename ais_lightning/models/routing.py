@@ -37,6 +37,7 @@ from ais_lightning.ops import topk_sets_differ
 
 __all__ = [
     "RoutingRecorder",
+    "gate_normalization",
     "RoutingReplay",
     "moe_routers",
     "replay_gate_weights",
@@ -97,6 +98,27 @@ def replay_gate_weights(router_logits: torch.Tensor, index: torch.Tensor, normal
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype)
+
+
+@torch.no_grad()
+def gate_normalization(router: nn.Module) -> bool | None:
+    """Whether ``router``'s gate weights are its softmax probabilities at its top-k renormalized over the k (True:
+    Qwen3-MoE with ``norm_topk_prob``, Mixtral) or not (False: OLMoE, Qwen2-MoE without it), found on a 4-token
+    probe; None when neither reproduces them (sigmoid or grouped routers, DeepSeek-V3's: replay is refused).
+    Without a probe (meta or sharded weights) the router's ``norm_topk_prob`` (default True) is trusted."""
+    weight = router.weight
+    if weight.is_meta or type(weight).__name__ == "DTensor":
+        return bool(getattr(router, "norm_topk_prob", True))
+    probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    logits, gates, index = router(probe.to(device=weight.device, dtype=weight.dtype))
+    for normalize in (
+        bool(getattr(router, "norm_topk_prob", True)),
+        not getattr(router, "norm_topk_prob", True),
+    ):
+        ours = replay_gate_weights(logits, index, normalize)
+        if torch.allclose(ours.float(), gates.float(), rtol=1e-4, atol=1e-6):
+            return normalize
+    return None
 
 
 _RECORDER_ATTR = "_ais_routing_recorder"
@@ -177,6 +199,9 @@ class RoutingReplay:
         self.routers = list(routers)
         self.plan: ReplayPlan | None = None
         self.last: ReplayPlan | None = None
+        self.normalize = [gate_normalization(r) for r in self.routers]
+        """Per MoE layer, how its gate weights are recomputed under replay (:func:`gate_normalization`; None: the
+        router is not one replay reproduces)."""
         for layer, router in enumerate(self.routers):
             setattr(router, _REPLAY_ATTR, (self, layer))
             router.register_forward_hook(_replay_hook)
@@ -198,7 +223,12 @@ class RoutingReplay:
             )
         target = plan.index[:, layer].to(device=own.device, dtype=own.dtype)  # [N, k]
         index = torch.where(plan.mask.to(own.device)[:, None], target, own)  # [N, k]
-        normalize = bool(getattr(module, "norm_topk_prob", False))
+        normalize = self.normalize[layer]
+        if normalize is None:
+            raise ValueError(
+                f"routing replay: {type(module).__name__} (MoE layer {layer}) does not weight its experts by softmax "
+                "probabilities at its top-k, which replay recomputes"
+            )
         plan.used[layer] = index.detach()
         return logits, replay_gate_weights(logits, index, normalize), index
 

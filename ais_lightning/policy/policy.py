@@ -30,7 +30,7 @@ from ais_lightning.models.head import (
     logit_transform,
 )
 from ais_lightning.models.prompting import check_chat_template, encode_prompts
-from ais_lightning.models.routing import RoutingReplay, moe_routers, replay_gate_weights, routing_replay_mask
+from ais_lightning.models.routing import RoutingReplay, gate_normalization, moe_routers, routing_replay_mask
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.ops import (
     autograd_usable,
@@ -440,17 +440,12 @@ class Policy(nn.Module):
                 f"router_replay=true replays a mixture-of-experts model's routing, but {type(model).__name__} has "
                 "no top-k routers"
             )
-        router = routers[0]
-        weight = router.weight
-        if not weight.is_meta and type(weight).__name__ != "DTensor":
-            with torch.no_grad():
-                probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
-                logits, gates, index = router(probe.to(device=weight.device, dtype=weight.dtype))
-                ours = replay_gate_weights(logits, index, bool(getattr(router, "norm_topk_prob", False)))
-            if not torch.allclose(ours.float(), gates.float(), rtol=1e-4, atol=1e-6):
+        for router in routers:
+            if gate_normalization(router) is None:
                 raise ValueError(
-                    f"router_replay=true: {type(router).__name__}'s gate weights are not softmax(logits) at its "
-                    "top-k (renormalized with norm_topk_prob), which replay recomputes; this router is not supported"
+                    f"router_replay=true: {type(router).__name__}'s gate weights are not softmax(logits) at its top-k "
+                    "(renormalized or not), which replay recomputes; this router (sigmoid or grouped routing) is not "
+                    "supported"
                 )
         return True
 

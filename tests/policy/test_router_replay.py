@@ -146,3 +146,62 @@ def test_activation_checkpointing_recomputes_layers_under_the_replayed_routing()
         grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _other_family(name: str):
+    import transformers as T
+
+    common = dict(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    common |= dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = {
+        "mixtral": lambda: T.MixtralConfig(
+            **common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(
+            **common,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),  # fmt: skip
+        "olmoe": lambda: T.OlmoeConfig(**common, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    }[name]()
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    )
+
+
+@pytest.mark.parametrize(("name", "normalize"), [("mixtral", True), ("qwen2_moe", False), ("olmoe", False)])
+def test_other_families_quantize_experts_record_and_replay(name, normalize):
+    """Mixtral (always renormalizes its top-k), Qwen2-MoE (a shared expert beside), OLMoE: int8 experts, R3."""
+    from ais_lightning.quant import QuantExperts
+
+    model = _other_family(name).float()
+    engine = TorchRolloutEngine(model, "int8")
+    assert sum(isinstance(m, QuantExperts) for m in engine.model.modules()) == 2
+    batch = engine.generate(
+        [[5, 6, 7], [8, 9]], SamplingConfig(n=2, max_new_tokens=6, stop_token_ids=[1], seed=0)
+    )
+    assert batch.routing.shape[2:] == (2, 2)
+    policy = Policy(model, router_replay=True)
+    assert policy.routing_replay.normalize == [normalize, normalize]
+    with torch.no_grad():
+        policy.batch_logprobs(batch)
+    _, used = policy.routing_replay.last_routing()
+    mask = routing_replay_mask(batch.prompt_mask, batch.response_mask)
+    assert torch.equal(used[mask], batch.routing.long()[mask])
+
+
+def test_a_router_replay_cannot_reproduce_is_refused():
+    model = build_tiny_qwen3_moe(seed=0)
+    router = moe_routers(model)[1]
+    original = router.forward
+    router.forward = lambda x: (lambda out: (out[0], out[1] * 0.5, out[2]))(
+        original(x)
+    )  # e.g. a scaling factor
+    with pytest.raises(ValueError, match="router_replay=true: Qwen3MoeTopKRouter's gate weights"):
+        Policy(model, router_replay=True)

@@ -179,3 +179,15 @@ def test_moe_policy_with_int8_rollouts_and_router_replay(tmp_path: Path):
         assert 0.0 <= float(row["routing/disagreement"]) < 1.0
         assert math.isfinite(float(row["mismatch/kl_k3"]))
         assert "routing/disagreement_layer3" in row
+
+
+def test_moe_router_replay_under_fsdp2(tmp_path: Path):
+    """The same command on trainer=fsdp2 (2 CPU processes, gloo): every rank records, replays and logs routing."""
+    import csv
+
+    out = tmp_path / "run"
+    args = [*SMOKE, "trainer=fsdp2", "trainer.max_steps=2", "policy=tiny_qwen3_moe", "rollout=int8"]
+    run_train([*args, "policy.router_replay=true", "logger=csv", f"hydra.run.dir={out}"], cwd=tmp_path)
+    rows = list(csv.DictReader(next(out.rglob("metrics.csv")).open()))
+    logged = [float(r["routing/disagreement"]) for r in rows if r.get("routing/disagreement")]
+    assert len(logged) == 2 and all(0.0 <= v < 1.0 for v in logged)

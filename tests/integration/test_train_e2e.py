@@ -191,3 +191,21 @@ def test_moe_router_replay_under_fsdp2(tmp_path: Path):
     rows = list(csv.DictReader(next(out.rglob("metrics.csv")).open()))
     logged = [float(r["routing/disagreement"]) for r in rows if r.get("routing/disagreement")]
     assert len(logged) == 2 and all(0.0 <= v < 1.0 for v in logged)
+
+
+def test_moe_router_replay_resumes_with_the_same_metrics(tmp_path: Path):
+    """A resumed MoE run (int8 experts, their outlier calibration in the checkpoint, routing replay) reproduces the
+    uninterrupted one step for step."""
+    common = [*SMOKE, "policy=tiny_qwen3_moe", "rollout=int8", "policy.router_replay=true", "logger=none"]
+    four_steps = [*common, "trainer.checkpoint_every_n_steps=1", "trainer.max_steps=4"]
+    full = tmp_path / "full"
+    run_train([*four_steps, f"hydra.run.dir={full}"], cwd=tmp_path)
+    expected = json.loads((full / "history.json").read_text())
+    step2 = full / "checkpoints" / "step000002.ckpt"
+    resumed = tmp_path / "resumed"
+    run_train([*four_steps, f"hydra.run.dir={resumed}", f"ckpt_path={step2}"], cwd=tmp_path)
+    got = json.loads((resumed / "history.json").read_text())
+    assert [h["step"] for h in got] == [h["step"] for h in expected] and len(got) == 4
+    for a, b in zip(got, expected):
+        for key in ("reward", "kl_k3", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)

@@ -138,6 +138,14 @@ def _replay_hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
     return replay._route(module, layer, output)
 
 
+def _attach(router: nn.Module, attr: str, owner: tuple, hook) -> None:  # noqa: ANN001
+    """Point ``router``'s ``hook`` at ``owner``; the hook is registered once per router (a model wrapped again, by a
+    second policy or engine, hands its router to the newest owner instead of running two hooks)."""
+    setattr(router, attr, owner)
+    if not any(h is hook for h in router._forward_hooks.values()):
+        router.register_forward_hook(hook)
+
+
 class RoutingRecorder:
     """Forward hooks on ``routers`` that keep the expert ids of their last forward while :meth:`capture` is on.
 
@@ -150,8 +158,7 @@ class RoutingRecorder:
         self.active = False
         self._last: list[torch.Tensor | None] = [None] * len(self.routers)
         for layer, router in enumerate(self.routers):
-            setattr(router, _RECORDER_ATTR, (self, layer))
-            router.register_forward_hook(_record_hook)
+            _attach(router, _RECORDER_ATTR, (self, layer), _record_hook)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -203,8 +210,7 @@ class RoutingReplay:
         """Per MoE layer, how its gate weights are recomputed under replay (:func:`gate_normalization`; None: the
         router is not one replay reproduces)."""
         for layer, router in enumerate(self.routers):
-            setattr(router, _REPLAY_ATTR, (self, layer))
-            router.register_forward_hook(_replay_hook)
+            _attach(router, _REPLAY_ATTR, (self, layer), _replay_hook)
 
     def _route(self, module: nn.Module, layer: int, output: tuple) -> tuple | None:
         """The router's output under the active plan (None: unchanged)."""

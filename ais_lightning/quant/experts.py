@@ -156,6 +156,22 @@ class QuantExperts(nn.Module):
         self._bind(self.recipe, self.backend, channels)  # the views must follow the moved parameters
         return out
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles keep the fused parameters only; the per-expert views are rebuilt over the copy's."""
+        state = dict(super().__getstate__())
+        layers = state.pop("gate_up") + state.pop("down")
+        state["_layer_setup"] = (
+            layers[0].recipe,
+            layers[0].backend,
+            [layer.outlier_channels for layer in layers],
+        )
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        recipe, backend, channels = state.pop("_layer_setup")
+        super().__setstate__(state)
+        self._bind(recipe, backend, channels)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -205,3 +205,21 @@ def test_a_router_replay_cannot_reproduce_is_refused():
     )  # e.g. a scaling factor
     with pytest.raises(ValueError, match="router_replay=true: Qwen3MoeTopKRouter's gate weights"):
         Policy(model, router_replay=True)
+
+
+def test_wrapping_a_model_twice_keeps_one_hook_per_router():
+    model = build_tiny_qwen3_moe(seed=0)
+    Policy(model)
+    policy = Policy(model, router_replay=True)  # the newest owner gets the routers
+    assert all(len(r._forward_hooks) == 1 for r in moe_routers(model))
+    batch = TorchRolloutEngine(model, "fp32").generate(PROMPTS, SAMPLING)
+    batch.routing = ((batch.routing.long() + 3) % 8).to(torch.uint8)
+    with torch.no_grad():
+        policy.batch_logprobs(batch)
+    own, _ = policy.routing_replay.last_routing()
+    plain = Policy(build_tiny_qwen3_moe(seed=0))
+    with torch.no_grad():
+        plain.batch_logprobs(batch)
+    # The first MoE layer's input does not depend on any routing: its own top-k is the unreplayed trainer's (with a
+    # second hook it would be the replayed experts).
+    assert torch.equal(own[:, :, 0], plain.routing_replay.last_routing()[0][:, :, 0])

@@ -134,3 +134,21 @@ def test_unsupported_layouts_are_named():
     with pytest.raises(ValueError, match="QuantExperts cannot run Qwen3MoeExperts: is_transposed"):
         QuantExperts(experts, "int8")
     assert "no gate_up_proj" in fused_experts_unsupported(nn.Linear(2, 2))
+
+
+def test_a_deep_copy_rebinds_its_views_to_its_own_parameters():
+    quant = QuantExperts(_experts(), "int8", "emulate")
+    quant.down[3].set_outlier_channels(torch.tensor([1, 5]))
+    twin = copy.deepcopy(quant)
+    assert (
+        twin.gate_up[2].weight.data_ptr()
+        == twin.gate_up_proj[2].data_ptr()
+        != quant.gate_up_proj[2].data_ptr()
+    )
+    assert twin.down[3].outlier_channels.tolist() == [1, 5] and twin.recipe.name == "int8"
+    x, index, weights = _routing()
+    with torch.no_grad():
+        assert torch.equal(twin(x, index, weights), quant(x, index, weights))
+        twin.down_proj.zero_()  # a sync into the copy reaches its experts, not the original's
+        assert torch.equal(twin(x, index, weights), torch.zeros_like(x))
+        assert quant(x, index, weights).abs().sum() > 0

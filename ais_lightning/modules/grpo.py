@@ -421,6 +421,11 @@ class GRPOModule(LightningModule):
         sampling = dataclasses.replace(self.sampling, seed=self._sampling_seed())
         batch = ops.to_device(self.engine.generate(self.encode_prompts(prompts), sampling), self.device)
         rollout_time = time.perf_counter() - t0
+        if getattr(self.policy, "router_replay", False) and batch.routing is None:
+            raise ValueError(
+                f"policy.router_replay=true, but the rollout engine ({type(self.engine).__name__}) returned no routing "
+                "(RolloutBatch.routing): use an engine that records it (TorchRolloutEngine) or router_replay=false"
+            )
 
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
         advantages = group_advantages(rewards, self.settings.group_size, scale=self.settings.advantage_scale)

@@ -246,6 +246,8 @@ class TorchRolloutEngine:
 
     PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
     """Precisions this engine runs (what :func:`ais_lightning.rollout.engine_precisions` reports)."""
+    RECORDS_ROUTING: ClassVar[bool] = True
+    """It records mixture-of-experts routing (``RolloutBatch.routing``) for ``policy.router_replay``."""
     TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = {
         "precision": "fp32",
         "kv_cache_dtype": None,

@@ -97,3 +97,17 @@ def test_config_composes():
     cfg = compose_train_config(["output_dir=/tmp/ais-test-unused", "policy=tiny_qwen3_moe"])
     components = validate(cfg)
     assert isinstance(components.policy, TinyQwen3Moe)
+
+
+def test_router_replay_needs_an_engine_that_records_routing(monkeypatch):
+    from ais_lightning.build import validate
+    from ais_lightning.config import compose_train_config
+    from ais_lightning.rollout import TorchRolloutEngine
+
+    overrides = ["output_dir=/tmp/ais-test-unused", "policy=tiny_qwen3_moe", "policy.router_replay=true"]
+    assert validate(compose_train_config([*overrides, "rollout=int8"])).policy.router_replay
+    monkeypatch.setattr(
+        TorchRolloutEngine, "RECORDS_ROUTING", False
+    )  # as an engine that records none (vLLM here)
+    with pytest.raises(ValueError, match="policy.router_replay=true replays the routing .* records none"):
+        validate(compose_train_config([*overrides, "rollout=int8"]))

@@ -348,6 +348,12 @@ def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_
             f"warmstart.max_new_tokens={c.warmstart.max_new_tokens} must equal policy.response_length={length} "
             "(the warm start's greedy evaluation samples a canvas of that length)"
         )
+    if getattr(c.policy, "router_replay", False) and not getattr(engine_cls, "RECORDS_ROUTING", False):
+        raise ValueError(
+            f"policy.router_replay=true replays the routing the rollout engine records, but rollout._target_="
+            f"{cfg.rollout._target_} records none: use the torch engine (rollout=fp32/bf16/int8/fp8/fp4, ...) or "
+            "policy.router_replay=false"
+        )
     own = getattr(c.loss, "own_correction", None)
     if own and not isinstance(c.corrector, NoCorrection):
         raise ValueError(

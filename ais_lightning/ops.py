@@ -206,3 +206,12 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 def impurity_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``impurity_from_logprobs`` of ``softmax(logits / temperature)``, computed in fp32.  # [...]"""
     return impurity_from_logprobs(tempered_log_softmax(logits, temperature, "impurity"))
+
+
+def topk_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether two top-k routings pick different expert *sets* (order ignored): ``[..., k]`` each -> ``[...]`` bool."""
+    if a.shape != b.shape:
+        raise ValueError(
+            f"routings to compare must have one shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    return (a.long().sort(dim=-1).values != b.long().sort(dim=-1).values).any(dim=-1)

@@ -26,6 +26,7 @@ from ais_lightning.diagnostics.mismatch import (
 )
 from ais_lightning.diagnostics.perplexity import LogPerplexityDiff, SequencePerplexity
 from ais_lightning.diagnostics.psis import PSISKHat
+from ais_lightning.diagnostics.routing import RoutingDisagreement
 from ais_lightning.diagnostics.weights import AbsLogRatio, ClippedRatioMoment, SequenceRatioStatistic
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "ProbabilityDiff",
     "RatioStatistic",
     "ReverseKL",
+    "RoutingDisagreement",
     "SequencePerplexity",
     "SequenceMultProbError",
     "SequenceRatioStatistic",

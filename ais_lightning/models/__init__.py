@@ -10,6 +10,7 @@ from ais_lightning.models.tiny_diffusion import (
     build_tiny_diffusion,
     tiny_diffusion_config,
 )
+from ais_lightning.models.tiny_moe import build_tiny_qwen3_moe, tiny_qwen3_moe_config
 from ais_lightning.models.tokenizer import build_char_tokenizer
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 
@@ -21,9 +22,11 @@ __all__ = [
     "build_diffusion_tokenizer",
     "build_tiny_diffusion",
     "build_tiny_qwen3",
+    "build_tiny_qwen3_moe",
     "disable_dropout_in",
     "enable_activation_checkpointing",
     "save_tiny_model",
     "tiny_diffusion_config",
     "tiny_qwen3_config",
+    "tiny_qwen3_moe_config",
 ]

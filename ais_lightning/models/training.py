@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
 
 __all__ = ["disable_dropout_in", "enable_activation_checkpointing"]
@@ -34,20 +37,24 @@ def disable_dropout_in(model: nn.Module) -> int:
     return changed
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
+def enable_activation_checkpointing(model: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
     """Hugging Face's activation checkpointing on every decoder layer of ``model``, non-reentrant.
 
     In training mode each layer keeps only its input and recomputes the rest in backward (what TRL's
     ``gradient_checkpointing`` and verl's ``enable_gradient_checkpointing`` turn on); parameter names and
     values are unchanged, so weight sync, checkpoints and FSDP2 sharding see the same model. ValueError
-    for a model whose class does not support it.
+    for a model whose class does not support it. ``context_fn``: torch's non-reentrant checkpoint hook, called at
+    each checkpointed forward and returning ``(forward context, recompute context)``, e.g. to recompute a layer
+    under the routing replay of its forward (:meth:`ais_lightning.models.routing.RoutingReplay.checkpoint_contexts`).
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(
             f"gradient_checkpointing: {type(model).__name__} does not support Hugging Face activation "
             "checkpointing (supports_gradient_checkpointing is not True)"
         )
-    kwargs = {"use_reentrant": False}  # composes with FSDP2 and with inputs that need no grad
+    kwargs: dict[str, Any] = {"use_reentrant": False}  # composes with FSDP2 and with inputs that need no grad
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -44,11 +44,13 @@ from ais_lightning.checks import check_int
 from ais_lightning.diagnostics import (
     ErrorTokenRate,
     MismatchDiagnostics,
+    RoutingDisagreement,
     TokenEntropy,
     TokenMultProbError,
     sequence_mult_prob_error,
 )
 from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
+from ais_lightning.models.routing import moe_routers, routing_replay_mask
 from ais_lightning.modules.mixed_precision import build_optimizer, master_optimizer
 from ais_lightning.policy import Policy, ResponseLogprobs
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
@@ -277,6 +279,17 @@ class GRPOModule(LightningModule):
                 "low_logprob_frac": ErrorTokenRate("low_logprob"),
             }
         )
+        n_moe = len(moe_routers(policy.model))
+        self.routing_metrics = (
+            nn.ModuleDict(
+                {"disagreement": RoutingDisagreement()}
+                | {f"disagreement_layer{i}": RoutingDisagreement(layer=i) for i in range(n_moe)}
+            )
+            if n_moe
+            else None
+        )
+        """Mixture-of-experts policies: how often the trainer's own top-k experts differ from the engine's, overall
+        and per MoE layer (``routing/...``, logged beside the mismatch KL); None for dense policies."""
         self.engine: RolloutEngine | None = None
         self._engine_calibration: Any = None  # a checkpoint's engine calibration, until the engine takes it
         self.eval_engine: RolloutEngine | None = None
@@ -492,6 +505,11 @@ class GRPOModule(LightningModule):
         sampling = dataclasses.replace(self.sampling, seed=self._sampling_seed())
         batch = ops.to_device(self.engine.generate(self.encode_prompts(prompts), sampling), self.device)
         rollout_time = time.perf_counter() - t0
+        if getattr(self.policy, "router_replay", False) and batch.routing is None:
+            raise ValueError(
+                f"policy.router_replay=true, but the rollout engine ({type(self.engine).__name__}) returned no routing "
+                "(RolloutBatch.routing): use an engine that records it (TorchRolloutEngine) or router_replay=false"
+            )
 
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
         mask = batch.response_mask  # [B, T]
@@ -539,6 +557,7 @@ class GRPOModule(LightningModule):
             impurity=impurity,
         )
         self.entropy_metric.update(entropy, mask)
+        self._update_routing_metrics(batch)
         self.error_metrics["repeat_frac"].update(batch.response_ids, mask)
         self.error_metrics["low_logprob_frac"].update(train_lp, mask)
         correction = self.corrector.from_log_ratio(
@@ -607,6 +626,17 @@ class GRPOModule(LightningModule):
         keep = sequence_mult_prob_error(train_lp, rollout_lp, mask) <= threshold  # [B]
         stats["train/dropped_by_logprob_error"] = float((~keep).sum())
         return keep
+
+    def _update_routing_metrics(self, batch: RolloutBatch) -> None:
+        """Engine vs trainer routing of pi_old's forward (the trainer's own top-k, replayed or not)."""
+        replay = getattr(self.policy, "routing_replay", None)
+        last = replay.last_routing() if replay is not None else None
+        if self.routing_metrics is None or batch.routing is None or last is None:
+            return
+        own, _ = last  # [B, P + T, L, k]
+        valid = routing_replay_mask(batch.prompt_mask, batch.response_mask)  # [B, P + T]
+        for metric in self.routing_metrics.values():
+            metric.update(batch.routing, own, valid)
 
     # ----------------------------------------------------------------- update
     def _all_ranks_finite(self, value: torch.Tensor) -> bool:
@@ -805,6 +835,10 @@ class GRPOModule(LightningModule):
             stats[f"errors/{name}"] = float(metric.compute())
             metric.reset()
         stats.update(mismatch)
+        if self.routing_metrics is not None:  # beside the mismatch KL: routing/disagreement[_layer<i>]
+            for name, metric in self.routing_metrics.items():
+                stats[f"routing/{name}"] = float(metric.compute())
+                metric.reset()
         stats["train/entropy"] = entropy
         self.log(
             "reward",

@@ -1,7 +1,14 @@
 """Policy: a Hugging Face causal LM wrapper (response log-probs, entropy, full weights for sync)."""
 
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
-from ais_lightning.policy.builders import POLICIES, GGUFPretrained, Pretrained, SmolLM2, TinyQwen3
+from ais_lightning.policy.builders import (
+    POLICIES,
+    GGUFPretrained,
+    Pretrained,
+    SmolLM2,
+    TinyQwen3,
+    TinyQwen3Moe,
+)
 from ais_lightning.policy.diffusion import DiffusionPolicy, TinyLLaDA, tiny_diffusion_policy
 from ais_lightning.policy.policy import (
     Policy,
@@ -21,6 +28,7 @@ __all__ = [
     "SmolLM2",
     "TinyLLaDA",
     "TinyQwen3",
+    "TinyQwen3Moe",
     "build_sequences",
     "chunked_response_logprobs",
     "disable_dropout_in",

@@ -145,6 +145,61 @@ class TinyQwen3:
 
 
 @dataclass
+class TinyQwen3Moe:
+    """The built-in tiny Qwen3-MoE (8 experts, 2 routed per token; :mod:`ais_lightning.models.tiny_moe`) with the
+    character tokenizer, built locally. Its rollouts run the model's own forward in the torch engine, with the
+    experts quantized at low precision (:class:`ais_lightning.quant.QuantExperts`)."""
+
+    dtype: str = "float32"
+    """Trainer precision: float32 or bfloat16."""
+    logprob_chunk_size: int = 1024
+    """Response positions per chunk when computing log-probs/entropy (bounds the [chunk, V] logits)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """``Qwen3MoeConfig`` overrides of the tiny model, e.g. ``{num_experts: 16, num_experts_per_tok: 4}``."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations (less memory)."""
+    aligned_quantization: str | None = None
+    """Not supported for mixture-of-experts policies (the quantized experts run in rollout engines only): None."""
+    aligned_schedule: list[list[Any]] | None = None
+    """Not supported for mixture-of-experts policies: None."""
+    router_replay: bool = False
+    """Rollout routing replay (R3): the trainer's forward routes every token through the experts the rollout
+    engine picked (``RolloutBatch.routing``), with gate weights from its own router (as slime and verl do)."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.dtype, self.logprob_chunk_size, None)
+        if not isinstance(self.router_replay, bool):
+            raise ValueError(f"router_replay must be true or false, got {self.router_replay!r}")
+        for name in ("aligned_quantization", "aligned_schedule"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"policy.{name}={getattr(self, name)!r}: QaRL's aligned forward is not supported for the "
+                    "mixture-of-experts policy tiny_qwen3_moe (its quantized experts run in rollout engines only); "
+                    f"leave policy.{name}=null (corrector=qarl sets it)"
+                )
+        from ais_lightning.models.tiny_moe import tiny_qwen3_moe_config
+
+        try:
+            tiny_qwen3_moe_config(**dict(self.overrides))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"overrides do not make a valid tiny Qwen3-MoE config: {err}") from err
+
+    def build(self, seed: int = 0) -> Policy:
+        """The policy, its weights initialized from ``seed``."""
+        from ais_lightning.models import build_char_tokenizer
+        from ais_lightning.models.tiny_moe import build_tiny_qwen3_moe
+
+        model = build_tiny_qwen3_moe(seed=seed, **dict(self.overrides)).to(getattr(torch, self.dtype))
+        return Policy(
+            model,
+            build_char_tokenizer(),
+            self.logprob_chunk_size,
+            gradient_checkpointing=self.gradient_checkpointing,
+            router_replay=self.router_replay,
+        )
+
+
+@dataclass
 class Pretrained:
     """Any Hugging Face causal LM from a local directory (weights and tokenizer; never the hub)."""
 
@@ -254,6 +309,7 @@ def _policies() -> dict[str, type]:
 
     return {
         "tiny_qwen3": TinyQwen3,
+        "tiny_qwen3_moe": TinyQwen3Moe,
         "local": Pretrained,
         "gguf": GGUFPretrained,
         "smollm2": SmolLM2,

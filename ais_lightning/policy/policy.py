@@ -32,6 +32,7 @@ from ais_lightning.models.head import (
     logit_transform,
 )
 from ais_lightning.models.prompting import check_chat_template, encode_prompts
+from ais_lightning.models.routing import RoutingReplay, gate_normalization, moe_routers, routing_replay_mask
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.ops import (
     autograd_usable,
@@ -388,6 +389,7 @@ class Policy(nn.Module):
         gradient_checkpointing: bool = False,
         chat_template: bool = False,
         head_dtype: str | None = None,
+        router_replay: bool = False,
     ) -> None:
         super().__init__()
         head_float32 = check_head_dtype(head_dtype)
@@ -404,8 +406,14 @@ class Policy(nn.Module):
         self.model = model.train()  # Hugging Face's from_pretrained returns eval mode; Lightning keeps modes
         if disable_dropout:
             disable_dropout_in(model)
-        if gradient_checkpointing:
-            enable_activation_checkpointing(model)
+        routers = moe_routers(model)
+        self.routing_replay = RoutingReplay(routers) if routers else None
+        """The hooks on a mixture-of-experts model's routers (None for a dense model): they replay the engine's
+        routing when :attr:`router_replay`, and keep the trainer's own top-k of the last scored batch
+        (``routing_replay.last_routing()``) for the routing-disagreement metric either way."""
+        if gradient_checkpointing:  # a recomputed layer routes as its forward did
+            replay = self.routing_replay
+            enable_activation_checkpointing(model, replay.checkpoint_contexts if replay is not None else None)
         if head_float32 and not isinstance(
             getattr(model.get_output_embeddings(), "weight", None), torch.Tensor
         ):
@@ -440,6 +448,32 @@ class Policy(nn.Module):
         self.aligned_schedule: tuple[tuple[int, str], ...] | None = aligned_schedule
         """Progressive precision (Bit-by-Bit, arXiv 2604.07888): ``((start_rollout_step, recipe), ...)``, the
         aligned forward's recipe by stage (:meth:`set_aligned_step` moves to a step's stage); None = one recipe."""
+        self.router_replay = self._check_router_replay(model, router_replay)
+        """Rollout routing replay (R3): the forward routes each token through the experts the engine picked
+        (``RolloutBatch.routing``), with gate weights from the trainer's own router (:mod:`ais_lightning.models.routing`)."""
+
+    @staticmethod
+    def _check_router_replay(model: nn.Module, router_replay: bool) -> bool:
+        """``router_replay`` checked against the model (ValueError naming ``router_replay`` otherwise): a
+        mixture-of-experts model whose routers' gate weights :func:`replay_gate_weights` reproduces."""
+        if not isinstance(router_replay, bool):
+            raise ValueError(f"router_replay must be true or false, got {router_replay!r}")
+        if not router_replay:
+            return False
+        routers = moe_routers(model)
+        if not routers:
+            raise ValueError(
+                f"router_replay=true replays a mixture-of-experts model's routing, but {type(model).__name__} has "
+                "no top-k routers"
+            )
+        for router in routers:
+            if gate_normalization(router) is None:
+                raise ValueError(
+                    f"router_replay=true: {type(router).__name__}'s gate weights are not softmax(logits) at its top-k "
+                    "(renormalized or not), which replay recomputes; this router (sigmoid or grouped routing) is not "
+                    "supported"
+                )
+        return True
 
     @staticmethod
     def _checked_logit_transform(model: nn.Module) -> LogitTransform:
@@ -613,16 +647,23 @@ class Policy(nn.Module):
         compute_entropy: bool = False,
         chunk_size: int = 1024,
         entropy_grad: bool = True,
+        routing: torch.Tensor | None = None,
     ) -> LogprobTensors:
         """``(logprobs, entropy, impurity)`` as plain tensors (so FSDP/DDP hooks see them; the last two None
         unless ``compute_entropy``); see :meth:`response_logprobs`."""
         input_ids, attention_mask, position_ids = build_sequences(
             prompt_ids, prompt_mask, response_ids, response_mask
         )
-        return self._logprobs_fn()(
-            input_ids, attention_mask, position_ids, response_ids, response_mask,
+        fn = functools.partial(
+            self._logprobs_fn(), input_ids, attention_mask, position_ids, response_ids, response_mask,
             temperature, compute_entropy, chunk_size, entropy_grad,
         )  # fmt: skip
+        if self.routing_replay is None:
+            return fn()
+        replayed = routing if self.router_replay else None
+        mask = routing_replay_mask(prompt_mask, response_mask) if replayed is not None else None
+        with self.routing_replay.replay(replayed, mask, tuple(input_ids.shape)):
+            return fn()
 
     def response_logprobs(
         self,
@@ -634,6 +675,7 @@ class Policy(nn.Module):
         compute_entropy: bool = False,
         chunk_size: int = 1024,
         entropy_grad: bool = True,
+        routing: torch.Tensor | None = None,
     ) -> ResponseLogprobs:
         """Log-prob of each response token under ``softmax(logits / temperature)``.
 
@@ -641,11 +683,12 @@ class Policy(nn.Module):
         The decoder body runs once; ``lm_head`` + log-softmax run on ``chunk_size`` valid tokens at a time,
         so the ``[B, T, V]`` logits never fully exist. Gradients flow to the model (use ``torch.no_grad()``
         for pi_old); to the entropies only with ``entropy_grad`` (False: values only, and a lighter backward;
-        the log-probs and their gradients are the same either way), never to the impurities.
+        the log-probs and their gradients are the same either way), never to the impurities. ``routing``: the
+        engine's ``[B, P + T, L, k]`` expert ids (``RolloutBatch.routing``), replayed when :attr:`router_replay`.
         """
         logprobs, entropy, impurity = self(
             prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size,
-            entropy_grad,
+            entropy_grad, routing,
         )  # fmt: skip
         return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
 
@@ -676,6 +719,7 @@ class Policy(nn.Module):
             compute_entropy=compute_entropy,
             chunk_size=self.logprob_chunk_size,
             entropy_grad=entropy_grad,
+            routing=autograd_usable(getattr(batch, "routing", None)),
         )
 
     def build_engine(self, precision: str = "fp32", **engine_kwargs: Any) -> Any:

@@ -2,12 +2,14 @@
 
 See :mod:`.formats` (FP8/FP4/INT8 and nested-integer rounding), :mod:`.scaling`
 (tensor/channel/token/block/group/MX/NVFP4/E4M3-group scales), :mod:`.recipes` (named recipes),
-:mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.kv`, and the Bit-by-Bit pieces
+:mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.experts` (QuantExperts: fused
+mixture-of-experts weights per expert), :mod:`.kv`, and the Bit-by-Bit pieces
 (arXiv 2604.07888): :mod:`.nested` (int8 -> int4 -> int2 views of one quantized weight), :mod:`.ocs`
 (rounding-aware outlier channel splitting), :mod:`.schedule` (progressive precision schedule); :mod:`.outliers`
 (outlier input channels kept in high precision, calibrated on activations).
 """
 
+from .experts import QuantExperts, fused_experts_unsupported, named_quantized_layers, quantized_layers
 from .formats import FORMATS, NumberFormat, get_format, round_to_float_grid
 from .kv import fake_quantize_kv, kv_amax, kv_scale_from_amax
 from .linear import (
@@ -49,6 +51,7 @@ __all__ = [
     "OCSSplit",
     "OutlierCalibration",
     "PrecisionSchedule",
+    "QuantExperts",
     "QuantLinear",
     "QuantRecipe",
     "QuantizedTensor",
@@ -57,6 +60,7 @@ __all__ = [
     "e4m3_round_up",
     "fake_quantize",
     "fake_quantize_kv",
+    "fused_experts_unsupported",
     "get_format",
     "get_recipe",
     "kv_amax",
@@ -65,6 +69,7 @@ __all__ = [
     "merge_split",
     "nested_format",
     "nested_int_recipe",
+    "named_quantized_layers",
     "nested_view",
     "nested_views",
     "ocs_split",
@@ -72,6 +77,7 @@ __all__ = [
     "quantize",
     "quantize_model",
     "quantize_with_scales",
+    "quantized_layers",
     "refresh_quantized",
     "round_to_float_grid",
     "rounding_aware_pieces",

@@ -536,9 +536,12 @@ def quantize_model(
     (embeddings, ``lm_head`` and norms, the usual FP8 rollout practice, e.g. FP8-RL arXiv 2601.18150);
     ``[]`` quantizes every linear. Layers that are already QuantLinear are left alone.
 
-    Matrix weights that are not ``nn.Linear`` layers (GPT-2's ``Conv1D``, the 3-D expert weights of
-    Hugging Face mixture-of-experts blocks) cannot be quantized here; rather than leave them silently in
-    high precision, a model with any outside ``skip`` raises ValueError naming one (and changes nothing).
+    Fused mixture-of-experts modules (3-D ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, e.g. Qwen3-MoE's
+    experts) are replaced by :class:`~ais_lightning.quant.experts.QuantExperts` (each expert's matrices as
+    QuantLinear layers; inference only: their weights must not require grad). Other matrix weights that are not
+    ``nn.Linear`` layers (GPT-2's ``Conv1D``, experts of another layout) cannot be quantized here; rather than
+    leave them silently in high precision, a model with any outside ``skip`` raises ValueError naming one (and
+    changes nothing).
     """
     if isinstance(skip, str):
         raise ValueError(f"skip must be a list of name substrings, not a single string {skip!r}")
@@ -554,10 +557,32 @@ def quantize_model(
         and not isinstance(module, QuantLinear)
         and not any(s in name for s in skip)
     ]
+    from .experts import QuantExperts, fused_experts_unsupported, is_fused_experts
+
+    experts = [
+        name
+        for name, module in model.named_modules()
+        if name
+        and is_fused_experts(module)
+        and fused_experts_unsupported(module) is None
+        and not any(s in name for s in skip)
+    ]
+    for name in experts:
+        module = model.get_submodule(name)
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"quantize_model: the fused experts {name} ({type(module).__name__}) require grad; quantized experts "
+                "(QuantExperts) are for inference only (rollout engines): call model.requires_grad_(False) first. "
+                "A mixture-of-experts trainer cannot run an aligned (QaRL) quantized forward"
+            )
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QuantLinear.from_linear(getattr(parent, child), recipe, backend))
+    for name in experts:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantExperts(getattr(parent, child), recipe, backend))
     return model
 
 
@@ -565,13 +590,20 @@ def unquantizable_weights(model: nn.Module, skip: Iterable[str] = ()) -> list[tu
     """``(name, shape)`` of matrix weights in ``model`` that :func:`quantize_model` cannot quantize.
 
     Weights of Hugging Face ``Conv1D`` layers (GPT-2's linears, ``[in, out]``) and parameters of three or
-    more dimensions outside ``nn.Linear`` and torch convolution layers (fused expert weights
-    ``[experts, out, in]``), except where the module or parameter name contains a ``skip`` substring.
+    more dimensions outside ``nn.Linear``, torch convolution layers and the fused experts
+    :class:`~ais_lightning.quant.experts.QuantExperts` runs (fused expert weights of another layout), except where
+    the module or parameter name contains a ``skip`` substring.
     """
+    from .experts import QuantExperts, fused_experts_unsupported, is_fused_experts
+
     found = []
     for module_name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or any(s in module_name for s in skip):
+        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd, QuantExperts)) or any(
+            s in module_name for s in skip
+        ):
             continue  # torch convolutions (e.g. a Mamba mixer's conv1d) are not matrix weights
+        if is_fused_experts(module) and fused_experts_unsupported(module) is None:
+            continue  # quantize_model replaces it by QuantExperts
         for param_name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name
             if any(s in full for s in skip):
@@ -592,14 +624,17 @@ def check_quantizable(model: nn.Module, recipe: str | QuantRecipe, skip: Iterabl
             f"quantize_model quantizes nn.Linear layers; {len(left)} matrix weights of {type(model).__name__} are "
             f"not, e.g. {name} {list(shape)}, and would stay in high precision under recipe "
             f"{get_recipe(recipe).name!r}. Pass skip= with their names to keep them in high precision knowingly; "
-            "quantized rollouts of such models (GPT-2's Conv1D, mixture-of-experts blocks) run in vLLM "
-            "(engine 'vllm')"
+            "quantized rollouts of such models (GPT-2's Conv1D, mixture-of-experts blocks of another layout) run "
+            "in vLLM (engine 'vllm')"
         )
 
 
 def refresh_quantized(model: nn.Module) -> int:
-    """Call :meth:`QuantLinear.refresh` on every QuantLinear in ``model``; returns how many were refreshed."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    """Call :meth:`QuantLinear.refresh` on every QuantLinear in ``model`` (those of quantized experts too); returns
+    how many were refreshed."""
+    from .experts import quantized_layers
+
+    layers = quantized_layers(model)
     for layer in layers:
         layer.refresh()
     return len(layers)
@@ -624,10 +659,10 @@ def switch_recipe(
         raise ValueError(f"names must be a list of name substrings, not a single string {names!r}")
     recipe = get_recipe(recipe)
     selected = tuple(names) if names is not None else None
+    from .experts import named_quantized_layers
+
     layers = [
-        m
-        for n, m in model.named_modules()
-        if isinstance(m, QuantLinear) and (selected is None or any(s in n for s in selected))
+        m for n, m in named_quantized_layers(model) if selected is None or any(s in n for s in selected)
     ]
     for layer in layers:
         layer._check_backend(recipe, layer.backend if backend is None else backend)

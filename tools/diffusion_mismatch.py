@@ -1,14 +1,20 @@
 """Warm-start the tiny masked-diffusion LM on a task, then measure mu vs pi at each rollout precision.
 
-1. SFT (LLaDA's masked-token loss, ``DiffusionPolicy.sft_loss``) of ``tiny_diffusion_policy`` on
-   ``task`` (default: 2-digit addition) for ``--sft-steps`` AdamW steps (linear warm-up, cosine decay to
-   10 %, gradient-norm clip 1), or ``--load`` saved weights (``--save`` writes them).
+The policy (``policy=tiny_llada``, initialised from ``--seed``), the task and the engines (``rollout=llada_fp32``
+with ``rollout.precision``, ``rollout.remasking``, ``rollout.block_length`` and ``rollout.steps`` of each row) are
+built as ``ais-train`` builds them, from the config composed of the options below and any ``ais-train``
+overrides (``ais_lightning.probes.compose``, e.g. ``task=countdown`` or ``policy.mask_eps=0.01``).
+
+1. SFT (LLaDA's masked-token loss, ``DiffusionPolicy.sft_loss``) of the policy on the task (default: 2-digit
+   addition) for ``--sft-steps`` AdamW steps (linear warm-up, cosine decay to 10 %, gradient-norm clip 1), or
+   ``--load`` saved weights (``--save`` writes them).
 2. Greedy accuracy (temperature 0) of the warm-started model with the fp32 engine and with each
    precision, on ``--eval-prompts`` held-out prompts (the train stream is disjoint from them).
 3. For each precision and remasking strategy: ``--samples`` samples per held-out prompt at temperature
    ``--temperature`` from ``DiffusionRolloutEngine``, their log mu, log pi from the fp32 policy on the
    engine's own path (``DiffusionPolicy.batch_logprobs``), and the mismatch KL (k3 and k1,
-   ``ais_lightning.diagnostics.MismatchKL``), the largest |log pi - log mu| and the sampled reward.
+   ``ais_lightning.diagnostics.MismatchKL``; the s.e. of k3 over prompts, the tokens of one prompt one cluster:
+   ``ais_lightning.measure.clustered_kl``), the largest |log pi - log mu| and the sampled reward.
 
 Prints a markdown table (and ``--out`` JSON). Everything is seeded; ``--threads`` intra-op threads
 (default 1: the SFT is bit-reproducible for a fixed thread count). Example (the figures in
@@ -20,7 +26,6 @@ Prints a markdown table (and ``--out`` JSON). Everything is seeded; ``--threads`
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -66,52 +71,49 @@ def sft(policy, data, steps: int, lr: float, seed: int, log_every: int = 100) ->
     return losses
 
 
+def config_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``ais-train`` overrides of the command line: the options' settings, then the user's overrides."""
+    task = [f"task={args.task}", *([f"task.digits={args.digits}"] if args.task == "arithmetic" else [])]
+    run = ["policy=tiny_llada", "rollout=llada_fp32", "warmstart=disabled", f"seed={args.seed}", *task]
+    return [*run, f"algorithm.max_new_tokens={args.max_new_tokens}", *args.overrides]
+
+
 def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy accuracy, mismatch KL and sampled reward of every (remasking, precision) engine."""
-    from ais_lightning.diagnostics import MismatchKL
-    from ais_lightning.rollout.base import SamplingConfig
-    from ais_lightning.tasks import accuracy, batch_rewards
+    from ais_lightning.measure import (
+        greedy_accuracy,
+        mismatch,
+        sampled_reward,
+        sampling_config,
+        score_samples,
+    )
+    from ais_lightning.probes import engine_factory, training_engine
 
-    tokenizer = policy.tokenizer
-    prompts = policy.encode_prompts([s.prompt for s in samples])
-    stop = [tokenizer.eos_token_id]
-    greedy = SamplingConfig(  # seeded: random remasking draws its positions even when greedy
-        n=1, temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed
+    sampled = sampling_config(
+        policy.tokenizer, args.samples, args.temperature, args.max_new_tokens, args.seed
     )
-    sampled = SamplingConfig(
-        n=args.samples,
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        stop_token_ids=stop,
-        seed=args.seed,
-    )
+    overrides = config_overrides(args)
     rows = []
     for remasking in args.remasking.split(","):
         for precision in args.precisions.split(","):
-            engine = policy.build_engine(
-                precision, remasking=remasking, block_length=args.block_length, steps=args.denoise_steps
+            factory = engine_factory(
+                overrides,
+                precision=precision,
+                remasking=remasking,
+                block_length=args.block_length,
+                steps=args.denoise_steps,
             )
-            acc = batch_rewards(task, samples, engine.generate(prompts, greedy), tokenizer)[0]
-            batch = engine.generate(prompts, sampled)
-            with torch.no_grad():
-                pi = policy.batch_logprobs(batch, temperature=args.temperature).logprobs
+            engine = training_engine(policy, factory)
+            # seeded: random remasking draws its positions even when greedy
+            acc = greedy_accuracy(policy, engine, task, samples, args.max_new_tokens, seed=args.seed)
+            batch, pi = score_samples(policy, engine, samples, sampled)
             mu, mask = batch.rollout_logprobs, batch.response_mask
-            k3, k1 = MismatchKL("k3"), MismatchKL("k1")
-            k3.update(pi, mu, mask)
-            k1.update(pi, mu, mask)
-            delta = (pi - mu)[mask].double()  # per-token log-ratio, for the standard error of k3
-            per_token_k3 = torch.expm1(delta) - delta
             row = {
                 "remasking": remasking,
                 "precision": precision,
-                "greedy_accuracy": accuracy(acc),
-                "kl_k3": float(k3.compute()),
-                "kl_k3_se": float(per_token_k3.std() / math.sqrt(per_token_k3.numel())),
-                "kl_k1": float(k1.compute()),
-                "max_abs_dlogp": float((pi - mu).abs().max()),
-                "sampled_reward": sum(batch_rewards(task, samples, batch, tokenizer)[0])
-                / len(batch.finish_reason),
-                "tokens": int(mask.sum()),
+                "greedy_accuracy": acc,
+                **mismatch(pi, mu, mask, batch.prompt_index),
+                "sampled_reward": sampled_reward(task, samples, batch, policy.tokenizer),
             }
             if remasking == "low_confidence" and args.selection:
                 row.update(selection_analysis(policy, engine, batch, args.temperature))
@@ -197,6 +199,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from ais_lightning.probes import add_overrides_argument
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="arithmetic")
     p.add_argument("--digits", type=int, default=2)
@@ -222,17 +226,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", default=None, help="warm-started weights to load instead of the SFT")
     p.add_argument("--save", default=None, help="write the warm-started weights here")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)
+    add_overrides_argument(p)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ais_lightning.policy import tiny_diffusion_policy
-    from ais_lightning.tasks import PromptDataModule, get_task
+    from ais_lightning.probes import compose, write_json
+    from ais_lightning.tasks import PromptDataModule
 
-    task = get_task(args.task, digits=args.digits) if args.task == "arithmetic" else get_task(args.task)
-    policy = tiny_diffusion_policy(seed=args.seed, response_length=args.max_new_tokens)
+    cfg, c = compose(config_overrides(args))
+    task, policy = c.task, c.policy.build(cfg.seed)
     data = PromptDataModule(
         task,
         train_size=max(args.sft_steps, 1) * args.batch_size,
@@ -260,9 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     print(markdown(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result
 
 

@@ -13,9 +13,15 @@ behind the weights, all steps trained (back-offs included), the back-offs and th
     python tools/measure_warmstart.py --trace-every 2 --steps 800 --seeds 0 1 2 --jobs 2
         # trace mode: no stop, accuracy every 2 steps; prints how much it moves between evaluations
 
+The policy, the task and the warm-start settings are built as ``ais-train`` builds them, from the config composed
+of the options and any ``ais-train`` overrides given (``ais_lightning.probes.compose``; default the built-in tiny
+Qwen3 on 2-digit addition, ``task=arithmetic``), and the warm start is ``ais-train``'s (the library's
+``warm_start``, as ``Components.initial_policy`` runs it, with the policy initialised from ``--init-seed``).
 Settings not given on the command line are the ``WarmStartSettings`` defaults, except the paper
 preset's band and step budget (``--band 0.65,0.75 --steps 3000``) and the RL validation's response
 length (``--max-new-tokens 8``).
+
+    python tools/measure_warmstart.py --seeds 1 task.digits=3        # any ais-train override
 """
 
 from __future__ import annotations
@@ -37,25 +43,30 @@ RL_VAL_SIZE = 256
 RL_MAX_NEW_TOKENS = 8
 
 
+def config_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``ais-train`` overrides of a worker: the warm start's settings from the options, then the user's."""
+    from ais_lightning.probes import override
+
+    settings = {k: v for k, v in vars(args).items() if k in SETTING_ARGS and v is not None}
+    band = settings.pop("band", PAPER_BAND)
+    settings["target_band"] = None if band == "none" else [float(x) for x in band.split(",")]
+    settings.update(cache_dir=args.cache_dir, seed=args.seed, num_threads=args.sft_threads)
+    run = ["task=arithmetic", "warmstart.enabled=true", f"seed={args.seed}"]
+    return [*run, *(override(f"warmstart.{k}", v) for k, v in settings.items()), *args.overrides]
+
+
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.run_threads)  # the run's setting, as ais-train's trainer.num_threads
-    from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
-    from ais_lightning.policy import Policy
-    from ais_lightning.tasks import get_task
+    from ais_lightning.probes import compose
     from ais_lightning.tasks.datamodule import draw_sample
-    from ais_lightning.warmstart import GreedyAccuracy, WarmStartSettings, state_dict_sha256, warm_start
+    from ais_lightning.warmstart import GreedyAccuracy, state_dict_sha256, warm_start
 
-    task = get_task("arithmetic", digits=2, operators="+")
-    tokenizer = build_char_tokenizer()
-    policy = Policy(build_tiny_qwen3(seed=args.init_seed if args.init_seed is not None else args.seed))
-    overrides = {k: v for k, v in vars(args).items() if k in SETTING_ARGS and v is not None}
-    band = overrides.pop("band", PAPER_BAND)
-    overrides["target_band"] = None if band == "none" else [float(x) for x in band.split(",")]
-    settings = WarmStartSettings(
-        cache_dir=args.cache_dir, seed=args.seed, num_threads=args.sft_threads, **overrides
-    )
+    _, c = compose(config_overrides(args))
+    task, settings = c.task, c.warmstart
+    policy = c.policy.build(args.init_seed if args.init_seed is not None else args.seed)
+    tokenizer = policy.tokenizer
     if args.trace_every:
         return trace(args, policy, tokenizer, task, settings)
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -123,7 +134,9 @@ def moves(trace: list, low: float = 0.3, high: float = 0.9) -> dict:
 SETTING_ARGS = ("band", "steps", "lr", "batch_size", "eval_every", "eval_size", "max_new_tokens", "grad_clip")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    from ais_lightning.probes import add_overrides_argument, write_json
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -149,7 +162,8 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
     if args.worker:
         args.run_threads, args.sft_threads = args.run_threads[0], args.sft_threads[0]
         print(json.dumps(worker(args)))
@@ -160,7 +174,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="warmstart-measure-") as cache:
             cmd = [sys.executable, __file__, "--worker", "--seed", str(seed), "--cache-dir", cache]
             cmd += ["--run-threads", str(run_threads), "--sft-threads", str(sft_threads)]
-            cmd += ["--trace-every", str(args.trace_every)]
+            cmd += ["--trace-every", str(args.trace_every), *args.overrides]
             for name in ("init_seed", *SETTING_ARGS):
                 value = getattr(args, name)
                 if value is not None:
@@ -197,9 +211,7 @@ def main() -> None:
                 f"| {r['seed']} | {r['sft_threads']} | {m['first_0.65']} | {m['n']} | {m['mean_abs']:.3f} "
                 f"| {m['p90_abs']:.3f} | {m['max_abs']:.3f} | {m['up_over_0.1']:.2f} |"
             )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        write_json(args.json, results, indent=1)
         return
     print(
         "| seed | run threads | SFT threads | key | weights | held-out acc | RL val acc (seeds 0/1/2) "
@@ -217,9 +229,7 @@ def main() -> None:
             f"| {r['seed']} | {r['run_threads']} | {r['sft_threads']} | {r['key'][:8]} | {r['weights']} "
             f"| {r['accuracy']:.3f} | {rl} | {r['steps']} | {r['steps_trained']} | {r['backoffs']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

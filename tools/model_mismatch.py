@@ -1,16 +1,17 @@
 """Rollout mismatch and greedy accuracy of every rollout precision on any ``ais-train`` policy and task.
 
-The policy and the task come from the composed ``ais-train`` config (overrides after ``--``, e.g.
-``-- policy=smollm2 task=arithmetic``; ``ais_lightning.build.validate``), so a real model is measured with
-the prompts it is trained on (its chat template and the task's chat format included). Per rollout precision
-(``--precisions``: a ``TorchRolloutEngine`` precision, optionally ``@F`` for ``outlier_fraction=F``, e.g.
+The policy, the task and the engines come from the composed ``ais-train`` config, built as ``ais-train`` builds
+them (``ais_lightning.probes.compose``: the same overrides as ``ais-train``, e.g. ``policy=smollm2
+task=arithmetic``, also accepted after ``--``), so a real model is measured with the prompts it is trained on (its
+chat template and the task's chat format included). Per rollout precision (``--precisions``: a rollout precision,
+set as ``rollout.precision=`` on the composed rollout, optionally ``@F`` for ``rollout.outlier_fraction=F``, e.g.
 ``int8@0`` = int8 without outlier channels), one engine is built from the policy and, per seed of ``--seeds``
 (each draws its own ``--prompts`` prompts and sampling noise), as in training:
 
 1. ``--samples`` samples per prompt at ``--temperature`` (``--max-new-tokens``, stopped at EOS): the engine's
    log mu of each sampled token, the fp32 policy's log pi of the same tokens (``Policy.batch_logprobs``), the
-   token-mean k3 KL(mu || pi) (``MismatchKL("k3")``'s estimate) with its standard error over prompts (the
-   tokens of one prompt are one cluster, :func:`clustered_kl`), and the largest ``|log pi - log mu|``;
+   token-mean k3 KL(mu || pi) (``MismatchKL("k3")``) with its standard error over prompts (the tokens of one
+   prompt are one cluster, ``ais_lightning.measure.clustered_kl``), and the largest ``|log pi - log mu|``;
 2. a weight sync of the policy's own weights (``sync_weights(Policy.full_state_dict())``, timed): the step at
    which the engine re-picks its outlier channels from what its prefills saw.
 
@@ -18,7 +19,7 @@ Then the greedy accuracy of the engine on ``--eval-prompts`` held-out prompts (`
 new tokens unless ``--eval-max-new-tokens``). Prints a markdown table (KL: mean over seeds and the spread of
 the per-seed values), ``--json`` writes every number. Example (docs/real_model.md)::
 
-    python tools/model_mismatch.py --json smollm2_kl.json -- policy=smollm2 task=arithmetic
+    python tools/model_mismatch.py --json smollm2_kl.json policy=smollm2 task=arithmetic
 
 ``--check`` is the model-alignment check to run on a new model (docs/correctors.md): the run's own engines,
 built as training builds them (``policy.fresh_model()`` + ``sync_weights``), at fp32 (the trainer-precision
@@ -30,12 +31,13 @@ prime-rl mean mismatch KL (k3) < 0.015, ``docs/development.md``) and this run's 
 sides compute the same model, so a miss is a bug in the model code, the weight sync or the log-prob
 processing. The rollout row is the low-precision mismatch the corrector handles, for information::
 
-    python tools/model_mismatch.py --check -- policy=smollm2 task=arithmetic rollout=fp8
+    python tools/model_mismatch.py --check policy=smollm2 task=arithmetic rollout=fp8
 
-``--matched`` measures the trainer and the engine at the *same* precision, each row with its own copy of the
-policy cast to that dtype (the engine built from it, as training builds it from a policy of ``policy.dtype``):
-``PRECISION[:HEAD]`` with ``PRECISION`` in fp32 / bf16 / fp16 (``policy.dtype`` float32 / bfloat16 / float16 and
-``rollout=`` that precision) and ``HEAD`` the LM head's projection: ``model`` (default, the model dtype on both
+``--matched`` measures the trainer and the engine at the *same* precision, each row with its own policy built with
+``policy.dtype`` of that precision and carrying the measured weights (``ais_lightning.probes.policy_like``), the
+engine built from it as training builds it from a policy of ``policy.dtype``: ``PRECISION[:HEAD]`` with
+``PRECISION`` in fp32 / bf16 / fp16 (``policy.dtype`` float32 / bfloat16 / float16 and ``rollout.precision`` that
+precision) and ``HEAD`` the LM head's projection: ``model`` (default, the model dtype on both
 sides), ``fp32`` (``policy.head_dtype=float32`` and ``rollout.head_dtype=float32``), ``fp32-engine`` or
 ``fp32-policy`` (fp32 on one side only, which ``ais-train`` warns about: measured to show why). ``--warm-start``
 scores the policy a run starts from (the built-in model's cached SFT warm start) instead of its initial weights;
@@ -48,12 +50,10 @@ The table of docs/correctors.md::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,7 +65,8 @@ default outlier channels, fp4 (NVFP4)."""
 MATCHED = "fp32,bf16,bf16:fp32,bf16:fp32-engine,bf16:fp32-policy,fp16,fp16:fp32,fp16:fp32-engine"
 """Default ``--matched`` rows: each precision with the head in the model dtype and in fp32 on both sides, and the
 one-sided fp32 heads the config check warns about."""
-MATCHED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MATCHED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``--matched`` precisions: the ``policy.dtype`` of each."""
 MATCHED_HEADS = {
     "model": (False, False),
     "fp32": (True, True),
@@ -95,86 +96,34 @@ def verdict(metric: str, value: float) -> str:
     return "pass" if passes(metric, value) else "FAIL"
 
 
-def clustered_kl(
-    pi: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, prompt_index: torch.Tensor
-) -> tuple[float, float]:
-    """Token-mean k3 KL and its standard error with the tokens of one prompt as one cluster.
-
-    ``pi``, ``mu``: ``[B, T]`` log-probs; ``mask``: ``[B, T]`` bool; ``prompt_index``: ``[B]`` prompt of each row.
-    The mean equals ``MismatchKL("k3")`` (same clamp of the log-ratio). With ``s_p`` the k3 sum and ``n_p`` the
-    token count of prompt ``p`` (of ``P`` prompts with tokens): ``KL = sum s_p / sum n_p`` and
-    ``s.e. = sqrt(P / (P - 1) * sum_p (s_p - KL n_p)^2) / sum_p n_p`` (the ratio estimator's linearised s.e.).
-    """
-    from ais_lightning.ops import log_ratio
-
-    delta = log_ratio(pi, mu, mask).double()  # [B, T], 0 where masked
-    k3 = torch.where(mask, (torch.expm1(delta) - delta).clamp(min=0.0), torch.zeros_like(delta))
-    prompts = int(prompt_index.max()) + 1
-    s = torch.zeros(prompts, dtype=torch.float64).index_add_(0, prompt_index, k3.sum(-1))  # [P]
-    n = torch.zeros(prompts, dtype=torch.float64).index_add_(0, prompt_index, mask.sum(-1).double())  # [P]
-    keep = n > 0
-    s, n = s[keep], n[keep]
-    total = float(n.sum())
-    if total == 0:
-        return 0.0, float("nan")
-    kl = float(s.sum()) / total
-    p = int(keep.sum())
-    se = math.sqrt(p / max(p - 1, 1) * float(((s - kl * n) ** 2).sum())) / total
-    return kl, se
-
-
 def parse_precision(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"int8@0.1"`` -> ``("int8", {"outlier_fraction": 0.1})``; ``"fp8"`` -> ``("fp8", {})``."""
+    """``"int8@0.1"`` -> ``("int8", {"outlier_fraction": 0.1})``; ``"fp8"`` -> ``("fp8", {})``: the rollout settings
+    of a ``--precisions`` entry."""
     precision, _, fraction = spec.partition("@")
     return precision, ({"outlier_fraction": float(fraction)} if fraction else {})
-
-
-def task_rewards(task, samples, batch, tokenizer) -> list[float]:
-    """Task rewards of every row of ``batch`` (row ``i`` answers ``samples[batch.prompt_index[i]]``)."""
-    from ais_lightning.tasks import batch_rewards
-
-    return batch_rewards(task, samples, batch, tokenizer)[0]
 
 
 def sample_mismatch(policy, engine, task, samples, sampling) -> dict[str, Any]:
     """Sample ``samples``' prompts with ``engine`` and compare its log mu with the fp32 ``policy``'s log pi."""
     from ais_lightning.diagnostics import TokenMultProbError
+    from ais_lightning.measure import mismatch, sampled_reward, score_samples
 
-    batch = engine.generate(policy.encode_prompts([s.prompt for s in samples]), sampling)
+    batch, pi = score_samples(policy, engine, samples, sampling)
     mu, mask = batch.rollout_logprobs, batch.response_mask
-    with torch.no_grad():
-        pi = policy.batch_logprobs(batch, temperature=sampling.temperature).logprobs
-    kl, se = clustered_kl(pi, mu, mask, batch.prompt_index)
-    rewards = task_rewards(task, samples, batch, policy.tokenizer)
     mult = TokenMultProbError()
     mult.update(pi, mu, mask)
     return {
-        "kl_k3": kl,
-        "kl_k3_se": se,
+        **mismatch(pi, mu, mask, batch.prompt_index),
         "token_mult_prob_error": float(mult.compute()),
-        "max_abs_dlogp": float((pi - mu)[mask].abs().max()) if bool(mask.any()) else 0.0,
-        "tokens": int(mask.sum()),
-        "sampled_reward": sum(rewards) / len(rewards),
+        "sampled_reward": sampled_reward(task, samples, batch, policy.tokenizer),
     }
-
-
-def greedy_accuracy(policy, engine, task, samples, max_new_tokens: int) -> float:
-    """Fraction of ``samples`` the engine answers right greedily (reward 1)."""
-    from ais_lightning.rollout import SamplingConfig
-
-    stop = [policy.tokenizer.eos_token_id] if policy.tokenizer.eos_token_id is not None else []
-    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-    batch = engine.generate(policy.encode_prompts([s.prompt for s in samples]), greedy)
-    rewards = task_rewards(task, samples, batch, policy.tokenizer)
-    return sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards)
 
 
 def measure_engine(policy, task, args: argparse.Namespace, label: str, build_engine) -> dict[str, Any]:
     """One engine (``build_engine()``): the mismatch per seed of ``args.seeds``, sync time, greedy accuracy."""
-    from ais_lightning.rollout import SamplingConfig
+    from ais_lightning.measure import greedy_accuracy, sampling_config
     from ais_lightning.tasks import PromptDataModule
 
-    stop = [policy.tokenizer.eos_token_id] if policy.tokenizer.eos_token_id is not None else []
     seeds = [int(s) for s in args.seeds.split(",")]
     held_out = PromptDataModule(task, val_size=args.eval_prompts, seed=args.eval_seed).val_samples()
     t0 = time.perf_counter()
@@ -183,12 +132,8 @@ def measure_engine(policy, task, args: argparse.Namespace, label: str, build_eng
     per_seed, syncs = [], []
     for seed in seeds:
         draw = PromptDataModule(task, val_size=args.prompts, seed=seed).val_samples()
-        sampling = SamplingConfig(
-            n=args.samples,
-            temperature=args.temperature,
-            max_new_tokens=args.max_new_tokens,
-            stop_token_ids=stop,
-            seed=seed,
+        sampling = sampling_config(
+            policy.tokenizer, args.samples, args.temperature, args.max_new_tokens, seed
         )
         per_seed.append(sample_mismatch(policy, engine, task, draw, sampling))
         t1 = time.perf_counter()
@@ -223,14 +168,14 @@ def measure_engine(policy, task, args: argparse.Namespace, label: str, build_eng
 
 
 def measure(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every precision of ``args.precisions`` on the torch engine (see :func:`measure_engine`)."""
-    from ais_lightning.rollout import TorchRolloutEngine
+    """Every precision of ``args.precisions`` on the composed rollout (see :func:`measure_engine`)."""
+    from ais_lightning.probes import engine_factory
 
     rows = []
     for spec in args.precisions.split(","):
         precision, extra = parse_precision(spec)
-        build = lambda: TorchRolloutEngine(policy.model, precision=precision, **extra)  # noqa: B023, E731
-        rows.append(measure_engine(policy, task, args, spec, build))
+        factory = engine_factory(args.overrides, precision=precision, **extra)
+        rows.append(measure_engine(policy, task, args, spec, lambda f=factory: f(policy.model)))
     return rows
 
 
@@ -247,40 +192,42 @@ def parse_matched(spec: str) -> tuple[str, bool, bool]:
     return (precision, *MATCHED_HEADS[head])
 
 
-def matched_policy(policy, dtype: torch.dtype, head_float32: bool):
-    """A copy of ``policy`` with its model cast to ``dtype`` and the head's projection in fp32 or not."""
-    import copy
+def matched_overrides(precision: str, policy_head: bool, engine_head: bool, model_impl: str) -> list[str]:
+    """The ``ais-train`` overrides of one ``--matched`` row: the policy and the engine at ``precision`` (a key of
+    :data:`MATCHED_DTYPES`), each LM head in fp32 or not, the engine's forward ``model_impl``."""
+    from ais_lightning.probes import override
 
-    from ais_lightning.policy import Policy
-
-    return Policy(
-        copy.deepcopy(policy.model).to(dtype),
-        policy.tokenizer,
-        policy.logprob_chunk_size,
-        chat_template=policy.chat_template,
-        head_dtype="float32" if head_float32 else None,
-    ).eval()
+    return [
+        f"policy.dtype={MATCHED_DTYPES[precision]}",
+        override("policy.head_dtype", "float32" if policy_head else None),
+        f"rollout.precision={precision}",
+        override("rollout.head_dtype", "float32" if engine_head else None),
+        f"rollout.model_impl={model_impl}",
+    ]
 
 
 def measure_matched(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every row of ``args.matched``: trainer and engine at one precision (see the module docstring)."""
-    import functools
+    import logging
 
-    from ais_lightning.rollout import TorchRolloutEngine
+    from ais_lightning.probes import compose, policy_like
 
     rows = []
+    build_log = logging.getLogger("ais_lightning.build")
     for spec in args.matched.split(","):
         precision, policy_head, engine_head = parse_matched(spec)
-        row_policy = matched_policy(policy, MATCHED_DTYPES[precision], policy_head)
-        head = "float32" if engine_head else None
-        build = functools.partial(
-            TorchRolloutEngine,
-            row_policy.model,
-            precision=precision,
-            head_dtype=head,
-            model_impl=args.model_impl,
-        )
-        row = measure_engine(row_policy, task, args, spec, build)
+        overrides = [
+            *args.overrides,
+            *matched_overrides(precision, policy_head, engine_head, args.model_impl),
+        ]
+        level = build_log.level
+        build_log.setLevel(logging.ERROR)  # the one-sided heads' warning: measured here to show why it warns
+        try:
+            _, c = compose(overrides)
+        finally:
+            build_log.setLevel(level)
+        row_policy = policy_like(c.policy, policy).eval()
+        row = measure_engine(row_policy, task, args, spec, lambda f=c.engine, p=row_policy: f(p.model))
         row.update(policy_head_fp32=policy_head, engine_head_fp32=engine_head)
         rows.append(row)
     return rows
@@ -305,25 +252,18 @@ def matched_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_engine(policy, factory):
-    """An engine built as ``GRPOModule`` builds it: ``factory`` on a fresh model, then the policy's weights."""
-    engine = factory(policy.fresh_model())
-    engine.sync_weights(policy.full_state_dict())
-    return engine
-
-
 def check(policy, c, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The alignment check: the run's trainer-precision engine (fp32) and its rollout engine, in that order."""
-    import functools
+    """The alignment check: the run's trainer-precision engine (fp32) and its rollout engine, in that order, each
+    built as training builds it (``ais_lightning.probes.training_engine``); an engine without a trainer-precision
+    copy is checked against the torch engine at fp32 (``rollout=fp32``)."""
+    from ais_lightning.probes import fp32_engine, training_engine
 
-    from ais_lightning.rollout import TorchRolloutEngine
-
-    fp32 = c.eval_engine or functools.partial(TorchRolloutEngine, precision="fp32")
+    fp32 = fp32_engine(c, args.overrides)
     rollout_name = (getattr(c.engine, "keywords", None) or {}).get("precision", "rollout")
     fp32_label = "fp32" if c.eval_engine is not None else "fp32 (torch)"
     return [
-        measure_engine(policy, c.task, args, fp32_label, lambda: run_engine(policy, fp32)),
-        measure_engine(policy, c.task, args, f"{rollout_name}", lambda: run_engine(policy, c.engine)),
+        measure_engine(policy, c.task, args, fp32_label, lambda: training_engine(policy, fp32)),
+        measure_engine(policy, c.task, args, f"{rollout_name}", lambda: training_engine(policy, c.engine)),
     ]
 
 
@@ -364,12 +304,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], epilog="After --: ais-train overrides (policy=..., task=...)."
-    )
+    from ais_lightning.probes import add_overrides_argument
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precisions", default=PRECISIONS, help="comma-separated; precision[@outlier_fraction]")
     p.add_argument(
         "--check",
@@ -406,20 +343,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-max-new-tokens", type=int, default=None, help="default: algorithm.max_new_tokens")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", default=None, help="write every number here")
-    args = p.parse_args(argv)
-    args.overrides = overrides
+    add_overrides_argument(p)
+    args = p.parse_intermixed_args(argv)
+    if args.matched is not None and "=" in args.matched:  # --matched without rows, then an override
+        args.overrides.insert(0, args.matched)
+        args.matched = MATCHED
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.probes import compose, write_json
 
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = compose_train_config(["output_dir=unused", *args.overrides])
-    c = validate(cfg)
+    cfg, c = compose(args.overrides)
     if args.eval_max_new_tokens is None:
         args.eval_max_new_tokens = c.algorithm.max_new_tokens
     if args.warm_start:
@@ -453,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\nfp32 alignment: {verdict}. The rollout row ({rows[1]['precision']}) is the low-precision "
             "mismatch the corrector handles; the peers' thresholds are for a model at its training precision."
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    write_json(args.json, {"args": vars(args), "rows": rows})
     return status
 
 

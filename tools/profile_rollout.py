@@ -1,7 +1,9 @@
 """Where a torch-engine rollout spends its time: per-operator CPU time of the prefill and of a decode step.
 
 Profiles two ``generate`` calls of one ``TorchRolloutEngine`` with ``torch.profiler`` on a
-``tools/bench_rollout.py`` config (same model and prompts): one that only prefills (1 new token) and
+``tools/bench_rollout.py`` config (same model and prompts, built as ``ais-train`` builds them; more ``ais-train``
+overrides apply on top; the engine is ``rollout.precision=<--precision> rollout.model_impl=<--model-impl>`` of the
+torch engine): one that only prefills (1 new token) and
 one of full length. An operator's decode cost per step is its time in the full call minus its time
 in the prefill-only call, divided by the extra steps. Self time is used (an operator's own time,
 without the operators it calls), so the rows add up to the total.
@@ -27,7 +29,6 @@ beside the profiled one.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402  (a sibling script: same configs, model and prompts)
 
+from ais_lightning.probes import add_overrides_argument, engine_factory, write_json  # noqa: E402
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine  # noqa: E402
 from ais_lightning.rollout.torch_engine import MODEL_IMPLS, PRECISIONS  # noqa: E402
 
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--top", type=int, default=15, help="operators listed per table")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
-    args = parser.parse_args(argv)
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
     cfg = bench_rollout.CONFIGS[args.config]
     new = args.new_tokens or cfg.new_tokens
     if new < 2:
@@ -231,19 +234,20 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    source = bench_rollout.load_source(cfg)
+    source = bench_rollout.load_source(cfg, args.overrides)
     batch = args.batch or max(cfg.batches)
     prompts = bench_rollout.make_prompts(cfg, batch, source)
-    engine = TorchRolloutEngine(source.model, precision=args.precision, model_impl=args.model_impl)
+    factory = engine_factory(
+        [*source.overrides, "rollout=fp32"], precision=args.precision, model_impl=args.model_impl
+    )
+    engine = factory(source.model)
     result = {
         "config": args.config,
         "precision": args.precision,
         "batch": batch,
         **profile_engine(engine, prompts, cfg.samples, new, functions=args.functions),
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(markdown(result, args.top))
     return result
 

@@ -6,8 +6,9 @@ exact fake quantization in fp32 on CPU):
 
 - **weight MSE, outliers**: relative MSE ``||W_q - W||^2 / ||W||^2`` of one ``[256, 512]`` Gaussian weight
   whose 1% heaviest input channels (5 columns) are scaled by 10 (the setting OCS targets);
-- **weight MSE, tiny Qwen3**: the same ratio summed over every quantized linear of the built-in tiny
-  Qwen3 (``build_tiny_qwen3(seed)``, random init: Gaussian weights, no outliers);
+- **weight MSE, tiny Qwen3**: the same ratio summed over every quantized linear of the policy's model, built as
+  ``ais-train`` builds it (``ais_lightning.probes.compose``; default the built-in tiny Qwen3, ``policy=tiny_qwen3``
+  initialised from ``--seed``: random init, Gaussian weights, no outliers);
 - **KL**: the token-level mismatch ``KL(mu || pi) = sum_v mu(v) (log mu(v) - log pi(v))`` between the
   quantized model ``mu`` (``quantize_model(copy, recipe)``: embeddings, ``lm_head`` and norms stay fp32) and
   the fp32 model ``pi``, exact over the vocabulary, teacher-forced (the same random token sequences
@@ -28,15 +29,16 @@ ratios 0.01, 0.05 and 0.1. A third table compares the E4M3 block-scale rounding 
 (rounded up, so nothing saturates) with NVFP4's round-to-nearest on a ``[512, 512]`` Gaussian weight.
 
 Usage: .venv/bin/python tools/quant_error.py [--batch 16] [--seq 64] [--seed 0] [--recipes a,b,...]
-[--model HF_DIR] [--json out.json]. ``--model``: a local Hugging Face causal LM directory instead of the
-random tiny Qwen3 (loaded offline). Prints markdown tables. Deterministic (no timing involved).
+[--model HF_DIR] [--json out.json] [OVERRIDES...]. ``--model``: a local Hugging Face causal LM directory instead of
+the random tiny Qwen3 (loaded offline: ``policy=local policy.path=HF_DIR``); any ``ais-train`` policy overrides
+pick another model (e.g. ``policy=smollm2``, ``policy.overrides.num_hidden_layers=2``). Prints markdown tables.
+Deterministic (no timing involved).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 
 import torch
@@ -142,24 +144,36 @@ def scale_rounding_ablation(seed: int = 0) -> list[dict]:
     ]
 
 
-def load_model(seed: int, path: str | None) -> nn.Module:
-    """The fp32 model to measure: the random tiny Qwen3 or a local Hugging Face directory."""
-    if path is None:
-        from ais_lightning.models import build_tiny_qwen3
+def policy_overrides(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The ``ais-train`` overrides of the model to measure: ``--model``'s directory as ``policy=local``, then
+    ``overrides``."""
+    from ais_lightning.probes import override
 
-        return build_tiny_qwen3(seed=seed).eval()
-    from transformers import AutoModelForCausalLM
+    local = [] if path is None else ["policy=local", override("policy.path", path)]
+    return [*local, *overrides]
 
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).float().eval()
+
+def load_model(seed: int, path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> nn.Module:
+    """The fp32 model to measure, the policy's as ``ais-train`` builds it: the random tiny Qwen3 by default, a local
+    Hugging Face directory (``path``), or what ``overrides`` pick."""
+    from ais_lightning.probes import compose
+
+    _, c = compose(policy_overrides(path, overrides))
+    return c.policy.build(seed).model.float().eval()
 
 
 def measure(
-    recipes=DEFAULT_RECIPES, batch: int = 16, seq: int = 64, seed: int = 0, model_path: str | None = None
+    recipes=DEFAULT_RECIPES,
+    batch: int = 16,
+    seq: int = 64,
+    seed: int = 0,
+    model_path: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
 ) -> list[dict]:
     """One row per recipe: bits, OCS, the two weight MSEs and the KL statistics."""
     for name in recipes:
         get_recipe(name)  # fail before any work on an unknown name
-    model = load_model(seed, model_path)
+    model = load_model(seed, model_path, overrides)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)  # [B, T]
     with torch.no_grad():
@@ -236,6 +250,8 @@ def markdown_scale_rounding(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
+    from ais_lightning.probes import add_overrides_argument, write_json
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16, help="random sequences")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -245,16 +261,19 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
         "--model", default=None, help="local Hugging Face model directory (default: tiny Qwen3)"
     )
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
     if args.batch < 1 or args.seq < 1:
         parser.error("--batch and --seq must be >= 1")
     recipes = tuple(r for r in args.recipes.split(",") if r)
     result = {
-        "recipes": measure(recipes, args.batch, args.seq, args.seed, args.model),
+        "recipes": measure(recipes, args.batch, args.seq, args.seed, args.model, args.overrides),
         "ocs_ablation": ocs_ablation(args.seed),
         "scale_rounding": scale_rounding_ablation(args.seed),
     }
-    model = f"tiny Qwen3 (seed {args.seed}, random init)" if args.model is None else args.model
+    model = args.model or f"tiny Qwen3 (seed {args.seed}, random init)"
+    if args.overrides:
+        model += f", {' '.join(args.overrides)}"
     print(
         f"{model}, {args.batch} x {args.seq} random tokens, teacher-forced; KL(quantized || fp32) per token"
     )
@@ -265,9 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     print()
     print("E4M3 block-scale rounding: relative weight MSE of a 512 x 512 Gaussian weight, groups of 32")
     print(markdown_scale_rounding(result["scale_rounding"]))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
     return result
 
 

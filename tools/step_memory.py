@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import logging
 import os
 import platform
 import statistics
@@ -216,16 +214,10 @@ def run(overrides: list[str], threads: int | None, validate_before: bool = True)
     import lightning as L
 
     import ais_lightning
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.probes import compose, one_process
 
-    cfg = compose_train_config([*overrides, "output_dir=unused"])
-    c = validate(cfg)
-    if c.trainer.strategy != "auto" or c.warmstart.enabled:
-        raise ValueError(
-            "step_memory runs one process without a warm start (trainer.strategy=auto, warmstart)"
-        )
-    torch.set_num_threads(threads or c.trainer.num_threads or torch.get_num_threads())
+    cfg, c = compose(overrides)
+    one_process(c, "step_memory", warm_start=False, threads=threads)
     rss = {"start": rss_bytes() / MB}
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy = c.policy.build(cfg.seed)
@@ -331,11 +323,9 @@ def rollout_shaped_batch(overrides: list[str]) -> tuple[Any, Any, tuple[torch.Te
     """The policy of the composed config, its algorithm settings, and a batch of its rollout's shape: the first
     training batch's prompts as the policy encodes them (left-padded), ``group_size`` rows each, with
     ``max_new_tokens`` response tokens drawn from the vocabulary, all valid (the longest a rollout can be)."""
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.probes import compose
 
-    cfg = compose_train_config([*overrides, "output_dir=unused"])
-    c = validate(cfg)
+    cfg, c = compose(overrides)
     policy = c.policy.build(cfg.seed)
     data = c.prompt_data(1, cfg.seed)
     data.setup("fit")
@@ -416,6 +406,8 @@ def update_split(overrides: list[str], threads: int | None, repeats: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from ais_lightning.probes import add_overrides_argument
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument(
@@ -429,22 +421,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="REPEATS",
         help="instead of a run: time the update with every weight trained vs frozen (LoRA's bound), REPEATS times",
     )
-    parser.add_argument(
-        "overrides", nargs="*", help="ais-train overrides, e.g. policy=smollm2 trainer.max_steps=3"
-    )
-    args = parser.parse_args(argv)
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
 
-    from ais_lightning.noise import silence_known_noise
+    from ais_lightning.probes import quiet_run_logs, write_json
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    silence_known_noise()
-    import lightning.pytorch  # noqa: F401  (sets its logger's level on import: quiet it afterwards)
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    quiet_run_logs()
     if args.update_split:
         result = update_split(args.overrides, args.threads, args.update_split)
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
         med, ratio = result["median"], result["frozen_over_full_cpu"]
         print(
             f"{result['batch']}, {result['threads']} threads, load {result['load_avg_1min']:.1f}: update with every "
@@ -455,8 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     result = run(args.overrides, args.threads, validate_before=not args.no_validate_before)
     result["rows_table"] = phase_rows(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     print(markdown(result))
     return result
 

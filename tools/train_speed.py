@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import logging
 import os
 import platform
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,16 +56,16 @@ REFERENCE = "fp32"
 PRECISIONS = ("fp32", "int8", "fp8", "fp4", "bf16")
 
 
-def compose_config(config: str, precision: str, steps: int | None, threads: int | None, extra: list[str]):
-    """The composed ``ais-train`` config of one configuration (``rollout=<precision> corrector=ais``)."""
-    from ais_lightning.config import compose_train_config
-
-    overrides = [*CONFIGS[config], f"rollout={precision}", "corrector=ais", "output_dir=unused"]
+def config_overrides(
+    config: str, precision: str, steps: int | None, threads: int | None, extra: list[str]
+) -> list[str]:
+    """The ``ais-train`` overrides of one configuration (``rollout=<precision> corrector=ais``)."""
+    overrides = [*CONFIGS[config], f"rollout={precision}", "corrector=ais"]
     if steps is not None:
         overrides.append(f"trainer.max_steps={steps}")
     if threads is not None:
         overrides.append(f"trainer.num_threads={threads}")
-    return compose_train_config([*overrides, *extra])
+    return [*overrides, *extra]
 
 
 def _step_recorder() -> Any:
@@ -100,20 +97,15 @@ def _step_recorder() -> Any:
     return StepRecorder()
 
 
-def run_segment(cfg: Any) -> dict[str, Any]:
-    """Train ``cfg.trainer.max_steps`` GRPO steps from scratch; the per-step timers and what the run was."""
+def run_segment(overrides: list[str]) -> dict[str, Any]:
+    """Train the ``trainer.max_steps`` GRPO steps of the config composed from ``overrides``, from scratch; the
+    per-step timers and what the run was."""
     import lightning as L
 
-    from ais_lightning.build import validate
-    from ais_lightning.probes import measuring_trainer
+    from ais_lightning.probes import compose, measuring_trainer, one_process
 
-    c = validate(cfg)
-    if c.trainer.strategy != "auto" or c.warmstart.enabled:
-        raise ValueError(
-            "train_speed runs one process without a warm start (trainer.strategy=auto, warmstart)"
-        )
-    if c.trainer.num_threads:
-        torch.set_num_threads(c.trainer.num_threads)
+    cfg, c = compose(overrides)
+    one_process(c, "train_speed", warm_start=False)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     policy = c.policy.build(cfg.seed)
     module = c.grpo_module(policy, cfg.seed, validation=False)
@@ -213,6 +205,8 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from ais_lightning.probes import add_overrides_argument, compose, quiet_run_logs, write_json
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gemm")
     parser.add_argument("--rollouts", nargs="+", choices=PRECISIONS, default=["int8", REFERENCE])
@@ -225,25 +219,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--threads", type=int, default=None, help="torch intra-op threads (trainer.num_threads)"
     )
     parser.add_argument("--json", default=None, help="write the result (every step's timers) here")
-    parser.add_argument(
-        "overrides", nargs="*", help="more ais-train overrides, e.g. algorithm.max_new_tokens=32"
-    )
-    args = parser.parse_args(argv)
+    add_overrides_argument(parser)
+    args = parser.parse_intermixed_args(argv)
     if REFERENCE not in args.rollouts:
         parser.error(f"--rollouts must include {REFERENCE}, the reference of the ratios")
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
 
-    from ais_lightning.noise import silence_known_noise
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    silence_known_noise()
-    import lightning.pytorch  # noqa: F401  (sets its logger's level on import: quiet it afterwards)
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # "GPU available", "max_steps reached"
+    quiet_run_logs()
     configs = {
-        p: compose_config(args.config, p, args.steps, args.threads, args.overrides) for p in args.rollouts
+        p: config_overrides(args.config, p, args.steps, args.threads, args.overrides) for p in args.rollouts
     }
+    for overrides in configs.values():  # every configuration checked before the first one runs
+        compose(overrides)
     segments: dict[str, list[dict[str, Any]]] = {p: [] for p in args.rollouts}
     started = time.perf_counter()
     for r in range(args.repeats):
@@ -277,8 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "segments": segments,
     }
     result["rows"] = summarize(segments, args.warmup)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     print(markdown_table(result))
     return result
 

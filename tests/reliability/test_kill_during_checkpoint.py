@@ -123,7 +123,7 @@ def test_every_moment_of_a_checkpoint_write_leaves_a_checkpoint_that_verifies(tm
     """``ModelCheckpoint``'s sequence (``stepN.ckpt`` then ``last.ckpt``, overwritten) through the checkpoint IO,
     a kill after each of its steps: ``ckpt_path=last`` always finds a complete checkpoint that verifies, never
     older than the last save that returned, and says so when it skips a newer one."""
-    from ais_lightning.train import resolve_checkpoint
+    from ais_lightning.resume import resolve_checkpoint
 
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
@@ -153,7 +153,7 @@ def test_every_moment_of_a_checkpoint_write_leaves_a_checkpoint_that_verifies(tm
 
 def test_last_falls_back_to_the_newest_checkpoint_that_verifies_and_says_why(tmp_path: Path, caplog):
     from ais_lightning.files import write_hash
-    from ais_lightning.train import resolve_checkpoint
+    from ais_lightning.resume import resolve_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()

@@ -169,7 +169,7 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
     if uri.startswith("sqlite:///"):
         artifact_location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts")
     lock = sqlite_lock_path(uri)
-    with store_lock(lock):
+    with store_lock(lock), _environment_kept("MLFLOW_TRACKING_URI"):
         logger = MLFlowLogger(
             experiment_name=settings.experiment_name,
             run_name=settings.run_name or run_name_from_overrides(),
@@ -182,6 +182,25 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
     if lock is not None:
         logger._mlflow_client = _LockedClient(logger._mlflow_client, lock)
     return logger
+
+
+@contextlib.contextmanager
+def _environment_kept(name: str) -> Iterator[None]:
+    """Restore the environment variable ``name`` after the block.
+
+    A new run's ``MLFlowLogger`` calls ``mlflow.set_tracking_uri``, which also exports ``$MLFLOW_TRACKING_URI``:
+    a second run in the same process (a notebook, Hydra's in-process multirun, a test) would take the first
+    run's store for the user's explicit choice, and a resume would start a new run there instead of
+    continuing its checkpoint's run.
+    """
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _start_run(logger: Any) -> None:

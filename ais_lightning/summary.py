@@ -193,3 +193,85 @@ def write_summary(
     files[1].write_text(json.dumps(history, indent=1))
     png = plot_history(history, out / "summary.png")
     return files + ([png] if png else [])
+
+
+def report_run(
+    cfg: Any,
+    components: Any,
+    trainer: Any,
+    module: Any,
+    logger: Any,
+    warm: Any,
+    resume: Any,
+    status: str,
+    recovered: dict[str, float],
+    started: float,
+) -> dict[str, Any]:
+    """The end of an ``ais-train`` run: its summary (:func:`summarize`, with the validation before and after,
+    the warm start and the wall time since ``started``); on rank 0 also ``summary.json``, ``history.json``,
+    ``summary.png`` and ``config.yaml`` in the output directory and in the MLflow run (marked KILLED unless
+    ``status`` is ``finished``), and the printed table. Returns the summary."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from ais_lightning.tracking import is_mlflow
+
+    task = components.task
+    summary = summarize(
+        module.history,
+        validations=module.validation_history,  # a 0 accuracy at every validation
+        task=task.name or type(task).__name__,  # named in the summary's reward warnings
+    )
+    summary["status"] = "finished" if status == "finished" else "interrupted"
+    val = {**recovered, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+    summary["validation_start"] = dict(module.validation_start)
+    if warm is not None:
+        summary["warm_start"] = {
+            "accuracy": warm.accuracy,
+            "eval_size": warm.eval_size,
+            "steps": warm.steps,
+            "from_cache": warm.from_cache,
+            "path": str(warm.path),
+        }
+    summary["validation"] = val
+    summary["wall_time_s"] = time.perf_counter() - started
+    if not trainer.is_global_zero:
+        return summary
+    resumed = f"off (resumed from {resume.ckpt_path})" if resume.ckpt_path else "off"
+    extra = {
+        "warm-start": warm.describe() if warm else resumed,
+        "rollout engine": describe_engine(module.engine),
+        "wall time": f"{summary['wall_time_s']:.0f} s",
+    }
+    for key, value in val.items():
+        before = summary["validation_start"].get(key)
+        extra[key] = (
+            f"{value:.3f}" if before is None else f"{before:.3f} -> {value:.3f} ({value - before:+.3f})"
+        )
+    files = write_summary(summary, module.history, cfg.output_dir)
+    Path(cfg.output_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    files.append(Path(cfg.output_dir, "config.yaml"))
+    if is_mlflow(logger):
+        client = logger.experiment
+        for key in ("reward_first", "reward_last", "reward_gain", "kl_k3_mean", "wall_time_s"):
+            if key in summary:
+                client.log_metric(logger.run_id, f"summary/{key}", float(summary[key]))
+        for path in files:
+            client.log_artifact(logger.run_id, str(path))
+        if status != "finished":
+            client.set_terminated(logger.run_id, "KILLED")
+        experiment = components.logger.experiment_name
+        extra["mlflow"] = f"{logger._tracking_uri} (experiment {experiment!r}, run {logger.run_id})"
+    extra["outputs"] = str(Path(cfg.output_dir).absolute())
+    print(format_summary(summary, extra), flush=True)
+    return summary
+
+
+def describe_engine(engine: Any) -> str:
+    """``TorchRolloutEngine int8 (lean forward)``: the engine class, its precision and, for the torch engine,
+    the forward it ran (``model_impl``); "not built" before setup."""
+    if engine is None:
+        return "not built"
+    text = f"{type(engine).__name__} {engine.precision}".strip()
+    return f"{text} ({engine.model_impl} forward)" if engine.model_impl else text

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
 LOGGERS = ("mlflow", "csv", "none")
@@ -154,7 +153,7 @@ def sqlite_lock_path(uri: str) -> Path | None:
 def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, str] | None = None) -> Any:
     """The Lightning logger for ``settings`` (MLflow, CSV, or False for none).
 
-    ``resume``: the MLflow run a checkpoint belongs to (:func:`mlflow_run_of`); its run continues, in the
+    ``resume``: the MLflow run a checkpoint belongs to (:func:`ais_lightning.resume.mlflow_run_of`); its run continues, in the
     store it was logged to unless ``settings``/``$MLFLOW_TRACKING_URI`` name another store explicitly.
     """
     if settings.name == "none":
@@ -170,7 +169,7 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
     if uri.startswith("sqlite:///"):
         artifact_location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts")
     lock = sqlite_lock_path(uri)
-    with store_lock(lock):
+    with store_lock(lock), _environment_kept("MLFLOW_TRACKING_URI"):
         logger = MLFlowLogger(
             experiment_name=settings.experiment_name,
             run_name=settings.run_name or run_name_from_overrides(),
@@ -183,6 +182,25 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
     if lock is not None:
         logger._mlflow_client = _LockedClient(logger._mlflow_client, lock)
     return logger
+
+
+@contextlib.contextmanager
+def _environment_kept(name: str) -> Iterator[None]:
+    """Restore the environment variable ``name`` after the block.
+
+    A new run's ``MLFlowLogger`` calls ``mlflow.set_tracking_uri``, which also exports ``$MLFLOW_TRACKING_URI``:
+    a second run in the same process (a notebook, Hydra's in-process multirun, a test) would take the first
+    run's store for the user's explicit choice, and a resume would start a new run there instead of
+    continuing its checkpoint's run.
+    """
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _start_run(logger: Any) -> None:
@@ -304,81 +322,6 @@ def check_writable(directory: Path, key: str) -> None:
         raise ValueError(f"{key}: {directory} is not writable ({err})") from err
 
 
-MLFLOW_CHECKPOINT_KEY = "ais_mlflow_run"
-"""Where a checkpoint records the MLflow run it belongs to (``{"run_id", "tracking_uri"}``)."""
-
-
-class MLflowRunInCheckpoint(Callback):
-    """Lightning callback: every checkpoint records its MLflow run, so a resume continues that run.
-
-    It also records the metrics of the step being checkpointed: Lightning saves a step's checkpoint
-    (``ModelCheckpoint.on_train_batch_end``) *before* it sends that step's metrics to the loggers, and a
-    resume starts after the step, so a process killed in between would leave a hole in the run's history.
-    :func:`log_missing_metrics` fills it on resume.
-    """
-
-    def __init__(self, logger: Any) -> None:
-        self.logger = logger
-
-    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
-        if self.logger and hasattr(self.logger, "run_id"):
-            checkpoint[MLFLOW_CHECKPOINT_KEY] = {
-                "run_id": self.logger.run_id,
-                "tracking_uri": self.logger._tracking_uri,
-                "pending": pending_metrics(trainer),
-            }
-
-
-def pending_metrics(trainer: Any) -> dict[str, Any] | None:
-    """``{"step", "metrics"}``: what Lightning will log for the current training step, as it would log it.
-
-    Reads Lightning's logger connector (no public API exposes the current step's metrics alone); None
-    outside a training step or when those internals are not there.
-    """
-    try:
-        connector = trainer._logger_connector
-        if not trainer.training or connector._first_loop_iter is None:
-            return None
-        logged = connector.metrics["log"]
-        step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-    except (AttributeError, KeyError, TypeError, AssertionError):
-        return None
-    metrics = {k: float(v) for k, v in logged.items()}
-    if not metrics:
-        return None
-    metrics.setdefault("epoch", float(trainer.current_epoch))  # as Lightning adds it
-    return {"step": step, "metrics": metrics}
-
-
-def log_missing_metrics(logger: Any, pending: dict[str, Any] | None) -> list[str]:
-    """Log the ``pending`` metrics (``{"step", "metrics"}``) that ``logger``'s run lacks at their step.
-
-    Called when a run resumes from a checkpoint: its process may have been killed after writing the
-    checkpoint but before logging the checkpointed step (:func:`pending_metrics`) or its validation. An
-    MLflow run is asked what it has; other loggers (a resumed CSV logger writes a new version) get all.
-    Returns the keys it logged.
-    """
-    if not pending or not logger or not pending.get("metrics"):
-        return []
-    step, metrics = int(pending["step"]), dict(pending["metrics"])
-    if hasattr(logger, "run_id"):
-        client = logger.experiment
-        metrics = {
-            key: value
-            for key, value in metrics.items()
-            if not any(m.step == step for m in client.get_metric_history(logger.run_id, key))
-        }
-    if metrics:
-        logger.log_metrics(metrics, step=step)
-        logger.save()
-    return sorted(metrics)
-
-
-def mlflow_run_of(checkpoint: dict[str, Any]) -> dict[str, str] | None:
-    """The MLflow run a checkpoint belongs to, or None (no MLflow logger, or an older checkpoint)."""
-    return checkpoint.get(MLFLOW_CHECKPOINT_KEY)
-
-
 def option_choices() -> dict[str, str]:
     """The option picked in each config group (``{"corrector": "tis_seq", ...}``), from Hydra; {} outside it.
 
@@ -398,6 +341,22 @@ def option_choices() -> dict[str, str]:
     return {}
 
 
+def is_mlflow(logger: Any) -> bool:
+    """Whether ``logger`` is Lightning's MLflow logger: run-level calls (status, tags, artifacts) apply to it only."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return isinstance(logger, MLFlowLogger)
+
+
+def log_run_start(logger: Any, cfg: DictConfig, warm: Any = None) -> None:
+    """A new run's record: the composed config and the option picked in each group as params, and the warm
+    start's accuracy and steps at step 0 (``warm``: a ``WarmStartResult``; the start the run's gains are
+    measured from)."""
+    logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
+    if warm is not None:
+        logger.log_metrics({"warmstart/accuracy": warm.accuracy, "warmstart/steps": warm.steps}, step=0)
+
+
 def reopen_run(logger: Any) -> None:
     """Mark ``logger``'s MLflow run RUNNING again after a Lightning stage finalized it.
 
@@ -406,5 +365,5 @@ def reopen_run(logger: Any) -> None:
     report would average it as done and a killed run would look complete. ``fit`` finalizes it
     again (FINISHED, or FAILED on an exception). No-op for other loggers.
     """
-    if logger and hasattr(logger, "run_id") and hasattr(logger, "experiment"):
+    if is_mlflow(logger):
         logger.experiment.update_run(logger.run_id, status="RUNNING")

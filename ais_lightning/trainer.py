@@ -154,25 +154,77 @@ def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None)
     )
 
 
-def skipped_validation(checkpoint: dict[str, Any], val_check_batches: int) -> tuple[int, int] | None:
-    """``(log step, epoch)`` of the validation a resume from ``checkpoint`` would skip, or None.
+def build_trainer(
+    settings: TrainerSettings, algorithm: Any, output_dir: str, logger: Any, policy: Any, callbacks: list[Any]
+) -> Any:
+    """``ais-train``'s Lightning Trainer: ``settings.max_steps`` rollout steps of the ``algorithm``'s
+    ``optimizer_steps_per_rollout`` optimizer steps, validation every ``algorithm.val_every_n_steps`` rollout
+    steps (none before training: the run validates first itself), verified checkpoints under
+    ``<output_dir>/checkpoints`` (every ``checkpoint_every_n_steps`` rollout steps, and ``last.ckpt``),
+    ``callbacks`` first, then the checkpoint callback and a step-counting progress bar. FSDP shards the
+    ``policy`` by its decoder layers."""
+    import lightning as L
 
-    Lightning saves a periodic checkpoint at the end of a training batch (``ModelCheckpoint
-    .on_train_batch_end``), before the validation due after that batch. Resuming from it, Lightning counts
-    that validation as done (``_TrainingEpochLoop.advance`` fast-forwards the validation loop), so if the
-    process was killed before the validation ended, the run's record never gets it. This reads the
-    checkpoint's loop state the way Lightning does (a batch processed but not completed = saved at the end
-    of a training batch; validation every ``val_check_batches`` batches) and returns where Lightning would
-    have logged that validation.
+    from ais_lightning.files import VerifiedCheckpointIO
+    from ais_lightning.resume import MLflowRunInCheckpoint
+
+    steps_per_rollout = algorithm.optimizer_steps_per_rollout
+    every = settings.checkpoint_every_n_steps * steps_per_rollout or None
+    bar = [progress_bar("GRPO")] if settings.enable_progress_bar else []
+    return L.Trainer(
+        accelerator=settings.accelerator,
+        devices=settings.devices,
+        num_nodes=settings.num_nodes,
+        strategy=settings.strategy_object(type(policy.decoder_layers()[0])),
+        precision=settings.precision,
+        max_steps=settings.max_steps * steps_per_rollout,
+        val_check_interval=min(
+            algorithm.val_every_n_steps, settings.max_steps
+        ),  # in training batches = rollout steps
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=logger,
+        plugins=[VerifiedCheckpointIO()],  # every checkpoint gets a SHA-256 sidecar, checked on resume
+        callbacks=[*callbacks, checkpoint_callback(output_dir, every), MLflowRunInCheckpoint(logger), *bar],
+        enable_progress_bar=settings.enable_progress_bar,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        default_root_dir=output_dir,
+    )
+
+
+def validate_and_fit(
+    trainer: Any, module: Any, data: Any, resume: Any, guard: Any, logger: Any
+) -> tuple[str, dict[str, float]]:
+    """Validate the starting weights, then ``fit``; returns ``(status, recovered validation)``.
+
+    ``status``: ``finished``, or ``sigterm`` / ``sigint`` when a signal ended the run (the summary and the
+    exit code report it). A fresh run validates before RL (the reference for the end of the run); a resume
+    (``resume``: :class:`ais_lightning.resume.Resume`) instead runs the validation due right after its
+    checkpoint that ``fit`` would skip, and returns its values.
     """
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from ais_lightning.resume import recover_validation
+    from ais_lightning.tracking import reopen_run
+
+    recovered: dict[str, float] = {}
     try:
-        fit = checkpoint["loops"]["fit_loop"]
-        total = fit["epoch_loop.batch_progress"]["total"]
-        step = int(fit["epoch_loop.state_dict"]["_batches_that_stepped"])
-        saved_at_batch_end = total["completed"] == total["processed"] - 1 == total["ready"] - 1
-        batches = int(total["ready"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if not saved_at_batch_end or batches % val_check_batches:
-        return None
-    return step, int(checkpoint.get("epoch", 0))
+        guard.raise_if_received()
+        if resume.ckpt_path is None:
+            (start,) = trainer.validate(module, datamodule=data, verbose=False)
+            module.validation_start = {k: float(v) for k, v in start.items()}
+            reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
+        elif (skipped := resume.skipped_validation(int(trainer.val_check_interval))) is not None:
+            recovered = recover_validation(trainer, module, data, resume.ckpt_path, logger, *skipped)
+        guard.raise_if_received()  # e.g. during validate()'s last batch, which Lightning does not check
+        trainer.fit(module, datamodule=data, ckpt_path=resume.ckpt_path)
+    except SIGTERMException:
+        return "sigterm", recovered
+    except SystemExit as exc:  # Lightning turns Ctrl+C into sys.exit(1) after finalizing the loggers
+        if trainer.state.status.value != "interrupted":
+            raise
+        return ("sigint" if exc.code == 1 else "sigterm"), recovered
+    except KeyboardInterrupt:
+        return "sigint", recovered
+    return "finished", recovered

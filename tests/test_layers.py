@@ -25,6 +25,8 @@ APPLICATION = {
     "signals",
     "warmstart",
     "noise",
+    "resume",
+    "failures",
     "conf",
 }
 """``ais-train``: config composition, building, the Trainer, tracking, resume, warm start, summary."""

@@ -46,7 +46,7 @@ def test_a_resume_whose_mlflow_server_is_gone_fails_within_seconds(tmp_path: Pat
     import torch
 
     from ais_lightning.files import write_hash
-    from ais_lightning.tracking import MLFLOW_CHECKPOINT_KEY
+    from ais_lightning.resume import MLFLOW_CHECKPOINT_KEY
 
     uri = f"http://127.0.0.1:{free_port()}"
     ckpt = tmp_path / "from_a_server_run.ckpt"  # only what ais-train reads before anything heavy

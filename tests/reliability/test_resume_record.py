@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ais_lightning.tracking import log_missing_metrics
-from ais_lightning.trainer import skipped_validation
+from ais_lightning.resume import log_missing_metrics, skipped_validation
 
 
 def _checkpoint(ready: int, completed: int, batches_that_stepped: int, epoch: int = 0) -> dict:
@@ -63,7 +62,7 @@ def test_last_is_the_newest_checkpoint_whose_hash_was_written(tmp_path: Path):
     import os
 
     from ais_lightning.files import write_hash
-    from ais_lightning.train import resolve_checkpoint
+    from ais_lightning.resume import resolve_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()

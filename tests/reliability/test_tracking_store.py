@@ -47,3 +47,28 @@ def test_a_relative_path_is_a_file_store_and_other_schemes_are_not_opened(tmp_pa
 def test_other_loggers_open_no_store(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
     check_tracking_uri(LoggerSettings(name="csv", tracking_uri=f"file://{tmp_path}"), str(tmp_path))
+
+
+@pytest.mark.slow  # two fresh SQLite stores run MLflow's schema migrations
+def test_a_run_leaves_no_tracking_uri_behind_so_a_later_resume_continues_its_own_store(
+    tmp_path: Path, monkeypatch
+):
+    """Lightning's MLFlowLogger exports ``$MLFLOW_TRACKING_URI`` (``mlflow.set_tracking_uri``) when it starts a
+    run: a second run in the same process took the first one's store for an explicit choice, and its resume
+    started a new run there instead of continuing its checkpoint's run."""
+    import os
+
+    from ais_lightning.tracking import build_logger, logger_target
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    settings = LoggerSettings(name="mlflow")
+    first = build_logger(settings, str(tmp_path / "a"))
+    assert first.run_id and "MLFLOW_TRACKING_URI" not in os.environ
+    second = build_logger(settings, str(tmp_path / "b"))
+    resume = {"run_id": second.run_id, "tracking_uri": second._tracking_uri}
+    assert logger_target(settings, str(tmp_path / "b"), resume) == (second._tracking_uri, second.run_id)
+    monkeypatch.setenv(
+        "MLFLOW_TRACKING_URI", "sqlite:///" + str(tmp_path / "mine.db")
+    )  # the user's own choice
+    build_logger(settings, str(tmp_path / "c"))
+    assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:///" + str(tmp_path / "mine.db")

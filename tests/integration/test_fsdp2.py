@@ -7,15 +7,13 @@ and 1e-3 * lr on every weight's update (the first AdamW update is about lr * sig
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.helpers import RENDEZVOUS_VARIABLES
+from tests.integration.helpers import local_env, run_process
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
@@ -23,13 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(mode: str, out: Path) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES and not k.startswith("SLURM_")
-    }
-    env.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)})  # a local 2-process run
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), mode, str(out)], env=env, capture_output=True, text=True, timeout=600
-    )
+    env = local_env({"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)})  # a local 2-process run
+    proc = run_process([sys.executable, str(WORKER), mode, str(out)], None, env, timeout=600)
     assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 

@@ -272,7 +272,7 @@ def _run(cfg: DictConfig, opened: dict[str, Any]) -> dict[str, Any]:
 
         summary = summarize(
             module.history,
-            validations=getattr(module, "validation_history", None),  # a 0 accuracy at every validation
+            validations=module.validation_history,  # a 0 accuracy at every validation
             task=c.task.name or type(c.task).__name__,  # named in the summary's reward warnings
         )
         summary["status"] = "finished" if status == "finished" else "interrupted"
@@ -294,7 +294,7 @@ def _run(cfg: DictConfig, opened: dict[str, Any]) -> dict[str, Any]:
         if trainer.is_global_zero:
             extra = {
                 "warm-start": warm_info,
-                "rollout engine": _describe_engine(getattr(module, "engine", None)),
+                "rollout engine": _describe_engine(module.engine),
                 "wall time": f"{summary['wall_time_s']:.0f} s",
             }
             for key, value in val.items():
@@ -326,9 +326,8 @@ def _describe_engine(engine: Any) -> str:
     the forward it ran (``model_impl``); "not built" before setup."""
     if engine is None:
         return "not built"
-    text = f"{type(engine).__name__} {getattr(engine, 'precision', '')}".strip()
-    impl = getattr(engine, "model_impl", None)
-    return f"{text} ({impl} forward)" if impl else text
+    text = f"{type(engine).__name__} {engine.precision or ''}".strip()
+    return f"{text} ({engine.model_impl} forward)" if engine.model_impl else text
 
 
 def _recover_validation(

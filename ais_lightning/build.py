@@ -1,18 +1,17 @@
 """Build a run's components from a composed config, validating everything before anything heavy starts.
 
 :func:`validate` instantiates every cheap component once (task, corrector, loss, the settings of each
-group, the policy spec) with ``hydra.utils.instantiate``, asks the engine class to check its arguments
-(no model is built), applies the rules that involve several groups, and returns the built
-:class:`Components`. Every error is a ``ValueError`` that names the config key::
+group, the policy spec) with ``hydra.utils.instantiate``, makes the engine's
+:class:`~ais_lightning.rollout.EngineSpec` (its class checks its arguments once; no model is built), applies the
+rules that involve several groups (:mod:`ais_lightning.rules`), and returns the built :class:`Components`. Every
+error is a ``ValueError`` that names the config key::
 
     corrector.c_high must be >= 1 (ratio 1 = on-policy must stay in range), got 0.5 [corrector: ...TIS]
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import logging
 import os
 import re
 import typing
@@ -24,9 +23,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, read_write
 
-from ais_lightning.correctors import NoCorrection
-
-log = logging.getLogger(__name__)
+from ais_lightning import rules
+from ais_lightning.rollout.factory import EngineSpec
 
 GROUPS = ("policy", "rollout", "loss", "algorithm", "corrector", "task", "warmstart", "trainer", "logger")
 """The config groups of ``ais-train``, in the order they are built (``algorithm`` before ``corrector``, which
@@ -38,11 +36,12 @@ class Components:
     """Everything a run needs, built and validated; only the policy and the engines remain to build."""
 
     policy: Any
-    """The policy spec: ``policy.build(seed)`` makes the ``Policy`` (e.g. ``ais_lightning.policy.TinyQwen3``)."""
-    engine: Callable[..., Any]
-    """``engine(model)`` builds the rollout engine (a ``functools.partial`` of the engine class)."""
-    eval_engine: Callable[..., Any] | None
-    """The same engine at the trainer's precision (fp32), for validation accuracy; None if not available."""
+    """The policy spec (an ``ais_lightning.policy.PolicySpec``): ``policy.build(seed)`` makes the ``Policy``."""
+    engine: EngineSpec
+    """``engine(model)`` builds the rollout engine (the engine class and its checked arguments)."""
+    eval_engine: EngineSpec | None
+    """The same engine at the trainer's precision (fp32), for validation accuracy; None if not available (the
+    engine class's ``TRAINER_PRECISION_COPY`` is None)."""
     loss: Any
     corrector: Any
     task: Any
@@ -73,16 +72,18 @@ class Components:
 
     def check_engines_on(self, model: Any) -> None:
         """The engines' checks that need the model itself (an engine class's ``check_model``, e.g. a
-        quantized precision on weights the torch engine cannot quantize), before any warm start or training."""
-        for factory in (self.engine, self.eval_engine):
-            check = getattr(getattr(factory, "func", None), "check_model", None)
-            if check is not None:
-                try:
-                    check(model, **(factory.keywords or {}))
-                except ValueError as err:
-                    raise ValueError(
-                        f"rollout ({factory.func.__name__} on the policy's model): {err}"
-                    ) from err
+        quantized precision on weights the torch engine cannot quantize), before any warm start or training; once
+        per distinct engine."""
+        specs = [self.engine]
+        if self.eval_engine is not None and not self.eval_engine.same_engine_as(self.engine):
+            specs.append(self.eval_engine)
+        for spec in specs:
+            try:
+                spec.engine_class.check_model(model, **spec.keywords)
+            except ValueError as err:
+                raise ValueError(
+                    f"rollout ({spec.engine_class.__name__} on the policy's model): {err}"
+                ) from err
 
     def grpo_module(
         self, policy: Any, seed: int, module_class: type | None = None, validation: bool = True
@@ -90,11 +91,8 @@ class Components:
         """The run's LightningModule on ``policy``: ``module_class``, else the algorithm's own
         (``algorithm.module_class``, e.g. Sol-RL's), else ``GRPOModule``. ``validation=False`` leaves out
         the trainer-precision engine that validation uses."""
-        from ais_lightning.modules.grpo import GRPOModule
-
-        if module_class is None:  # an algorithm's module_class returns its class (imported lazily)
-            factory = getattr(self.algorithm, "module_class", None)
-            module_class = factory() if factory is not None else GRPOModule
+        if module_class is None:  # GRPOModule, or the algorithm's own subclass (Sol-RL's)
+            module_class = self.algorithm.module_class()
         return module_class(
             policy=policy,
             task=self.task,
@@ -145,10 +143,10 @@ def _explain(group: str, node: DictConfig, err: BaseException) -> str:
 def _component_kinds() -> dict[str, tuple[str, Callable[[type], bool]]]:
     """Per group, what its ``_target_`` must build: a description (with an example) and a test of the built
     object's class."""
-    from torch import nn
-
     from ais_lightning.correctors import Corrector
+    from ais_lightning.losses import PolicyLoss
     from ais_lightning.modules.grpo import GRPOSettings
+    from ais_lightning.policy import PolicySpec
     from ais_lightning.tasks import Task
     from ais_lightning.tracking import LoggerSettings
     from ais_lightning.trainer import TrainerSettings
@@ -159,10 +157,10 @@ def _component_kinds() -> dict[str, tuple[str, Callable[[type], bool]]]:
 
     return {
         "policy": (
-            "a policy spec, whose build(seed) makes the Policy (e.g. ais_lightning.policy.TinyQwen3)",
-            lambda cls: callable(getattr(cls, "build", None)),
+            "a policy spec, a PolicySpec whose build(seed) makes the Policy (e.g. ais_lightning.policy.TinyQwen3)",
+            subclass(PolicySpec),
         ),
-        "loss": ("a policy loss, an nn.Module (e.g. ais_lightning.losses.GRPOLoss)", subclass(nn.Module)),
+        "loss": ("a policy loss, a PolicyLoss (e.g. ais_lightning.losses.GRPOLoss)", subclass(PolicyLoss)),
         "corrector": ("a Corrector (e.g. ais_lightning.correctors.TIS)", subclass(Corrector)),
         "task": ("a Task (e.g. ais_lightning.tasks.arithmetic.Arithmetic)", subclass(Task)),
         "algorithm": (
@@ -236,29 +234,49 @@ def build_option(cfg: DictConfig, group: str, **runtime: Any) -> Any:
     return built
 
 
-def check_engine(cfg: DictConfig) -> tuple[type, dict[str, Any]]:
-    """The engine class of ``cfg.rollout`` and its arguments, checked (and completed with the
-    constructor's defaults by its ``check_args``, if it has one) without building a model."""
+def check_engine(cfg: DictConfig) -> EngineSpec:
+    """The engine of ``cfg.rollout``: its class (a ``RolloutEngine`` subclass) with the config's arguments, checked by
+    the class's ``check_args`` (once) without building a model. With an aligned trainer forward an unset
+    ``rollout.outlier_fraction`` is 0 (:func:`ais_lightning.rules.align_outlier_channels`)."""
+    from ais_lightning.rollout import RolloutEngine
+
     node = cfg.rollout
     try:
         engine_cls = get_object(node._target_)
     except Exception as err:
         raise ValueError(f"rollout._target_={node._target_!r} cannot be imported: {err}") from err
-    built = _built_class(engine_cls)
-    if built is None or not all(callable(getattr(built, m, None)) for m in ("generate", "sync_weights")):
+    if not (inspect.isclass(engine_cls) and issubclass(engine_cls, RolloutEngine)):
         raise ValueError(
-            f"rollout._target_={node._target_} does not build a rollout engine: the rollout group names what builds "
-            "the engine from the policy's model, a class with generate() and sync_weights() (e.g. "
-            "ais_lightning.rollout.TorchRolloutEngine) or a function annotated to return one"
+            f"rollout._target_={node._target_} does not build a rollout engine: the rollout group names the engine "
+            "class, built later from the policy's model: a subclass of ais_lightning.rollout.RolloutEngine (e.g. "
+            "ais_lightning.rollout.TorchRolloutEngine)"
         )
     args = _arguments(node)
-    check = getattr(engine_cls, "check_args", None)
-    if check is not None:
-        try:
-            args = {**args, **(check(**args) or {})}
-        except (TypeError, ValueError) as err:
-            raise ValueError(_explain("rollout", node, err)) from err
-    return engine_cls, args
+    rules.align_outlier_channels(cfg, args)
+    try:
+        return EngineSpec(engine_cls, **args)
+    except (TypeError, ValueError) as err:
+        raise ValueError(_explain("rollout", node, err)) from err
+
+
+def trainer_precision_engine(engine: EngineSpec, policy: Any) -> EngineSpec | None:
+    """The run's engine at the trainer's precision (its class's ``TRAINER_PRECISION_COPY`` over its arguments,
+    the LM head computed as the policy's), for validation accuracy; None when the class has no such copy."""
+    copy_args = engine.engine_class.TRAINER_PRECISION_COPY
+    if copy_args is None:
+        return None
+    copy_args = dict(copy_args)
+    if (
+        "head_dtype" in engine.checked_arguments
+    ):  # the trainer-precision copy computes its head as the trainer does
+        copy_args["head_dtype"] = policy.head_dtype
+    try:
+        return EngineSpec(engine.engine_class, **{**engine.keywords, **copy_args})
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"rollout: the trainer-precision copy of {engine.engine_class.__name__} (its TRAINER_PRECISION_COPY "
+            f"{copy_args}) is refused: {err}"
+        ) from err
 
 
 TRUSTED_TARGETS_ENV = "AIS_LIGHTNING_TRUSTED_TARGETS"
@@ -328,124 +346,6 @@ def _check_missing(cfg: DictConfig, groups: tuple[str, ...] = GROUPS) -> None:
         )
 
 
-def _check_combination(c: Components, cfg: DictConfig, engine_cls: type, engine_args: dict[str, Any]) -> None:
-    """The rules that involve several groups."""
-    policy_family = getattr(c.policy, "MODEL_FAMILY", "autoregressive")
-    engine_family = getattr(engine_cls, "MODEL_FAMILY", "autoregressive")
-    if policy_family != engine_family:
-        raise ValueError(
-            f"rollout._target_={cfg.rollout._target_} samples {engine_family} models but the policy "
-            f"({cfg.policy._target_}) is {policy_family}: pick a rollout option of the policy's family"
-        )
-    length = getattr(c.policy, "response_length", None)
-    if length is not None and length != c.algorithm.max_new_tokens:
-        raise ValueError(
-            f"policy.response_length={length} must equal algorithm.max_new_tokens={c.algorithm.max_new_tokens} "
-            "(a masked-diffusion policy is warm-started on the canvas length its engine samples)"
-        )
-    if length is not None and c.warmstart.enabled and c.warmstart.max_new_tokens != length:
-        raise ValueError(
-            f"warmstart.max_new_tokens={c.warmstart.max_new_tokens} must equal policy.response_length={length} "
-            "(the warm start's greedy evaluation samples a canvas of that length)"
-        )
-    if getattr(c.policy, "router_replay", False) and not getattr(engine_cls, "RECORDS_ROUTING", False):
-        raise ValueError(
-            f"policy.router_replay=true replays the routing the rollout engine records, but rollout._target_="
-            f"{cfg.rollout._target_} records none: use the torch engine (rollout=fp32/bf16/int8/fp8/fp4, ...) or "
-            "policy.router_replay=false"
-        )
-    own = getattr(c.loss, "own_correction", None)
-    if own and not isinstance(c.corrector, NoCorrection):
-        raise ValueError(
-            f"{own}; it takes no separate importance weights: set corrector=none "
-            f"(got corrector._target_={cfg.corrector._target_})"
-        )
-    corrected = own or not isinstance(c.corrector, NoCorrection)
-    if corrected and (c.algorithm.top_p < 1.0 or c.algorithm.top_k > 0):
-        raise ValueError(
-            "algorithm.top_p/top_k renormalize mu over the kept tokens; with a corrector on keep top_p=1.0 "
-            "and top_k=0"
-        )
-    if c.trainer.on_gpu() and engine_args.get("backend") == "int8" and engine_args.get("device") != "cpu":
-        raise ValueError(
-            "rollout.backend=int8 (the integer W8A8 GEMM) runs on CPU; with a GPU trainer pick rollout.backend="
-            "emulate, rollout=bf16/fp8_gemm/te_fp8/vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
-        )
-    check = getattr(c.algorithm, "check_components", None)  # an algorithm's own cross-group rules
-    if check is not None:
-        check(c, cfg)
-    aligned = getattr(c.policy, "aligned_quantization", None)
-    if aligned is not None and c.trainer.strategy != "auto":
-        raise ValueError(
-            "policy.aligned_quantization is not supported with sharded strategies yet (trainer.strategy)"
-        )
-    _check_float16(c)
-    _check_head_precision(c, cfg, engine_cls, engine_args)
-
-
-FP16_TRAINER_PRECISIONS = ("32-true", "32", 32)
-"""``trainer.precision`` values a float16 policy trains under: the policy keeps its own fp32 master weights and loss
-scale (``ais_lightning.modules.mixed_precision``), so Lightning's precision plugin must not cast or scale again."""
-
-
-def _check_float16(c: Components) -> None:
-    """``policy.dtype=float16`` trains on fp32 master weights with a loss scale of its own: on one process or DDP
-    (``trainer.strategy=auto``) under Lightning's plain fp32 plugin."""
-    if getattr(c.policy, "dtype", None) != "float16":
-        return
-    if c.trainer.strategy != "auto":
-        raise ValueError(
-            f"policy.dtype=float16 (fp32 master weights and a dynamic loss scale) is not supported with "
-            f"trainer.strategy={c.trainer.strategy} yet: use trainer.strategy=auto, or policy.dtype=bfloat16"
-        )
-    if c.trainer.precision not in FP16_TRAINER_PRECISIONS:
-        raise ValueError(
-            f"policy.dtype=float16 keeps its own fp32 master weights and loss scale; trainer.precision="
-            f"{c.trainer.precision} would cast or scale again: leave trainer.precision=32-true"
-        )
-
-
-def _check_head_precision(
-    c: Components, cfg: DictConfig, engine_cls: type, engine_args: dict[str, Any]
-) -> None:
-    """With a bfloat16/float16 policy, warn (naming both keys) when the LM head computes in fp32 on one side only.
-
-    Both sides compute the head from the same low-precision weights; in the model dtype both round the logits to
-    the same grid, so where the hidden states agree the rounding cancels in log pi - log mu, and an fp32 head on one
-    side leaves the other side's rounding in the mismatch. NeMo-RL refuses that configuration
-    (``validate_fp32_lm_head_config``: "a one-sided fp32 head increases the generation/training logprob mismatch").
-    Measured here (docs/correctors.md, docs/real_model.md): where trainer and engine compute bit-identical hidden
-    states (the built-in model through the model's own forward) one side only is worse than neither (3e-6 of KL
-    against 0); on SmolLM2, whose engine's hidden states differ by their own rounding, it lands between neither and
-    both (bf16: 1.4-1.7e-3 against 1.9-2.2e-3 and 0.9-1.1e-3). Both sides is the best in every measurement, one side
-    is not always worse than neither, so this warns rather than refuses. With a float32 policy the trainer's head is
-    fp32 anyway and ``rollout.head_dtype=float32`` only brings a bf16/fp16 or quantized engine closer to it.
-    """
-    dtype = getattr(c.policy, "dtype", "float32")
-    if dtype == "float32":
-        return
-    policy_head = getattr(c.policy, "head_dtype", None)
-    engine_head = engine_args.get("head_dtype")
-    policy_fp32, engine_fp32 = policy_head == "float32", engine_head == "float32"
-    if policy_fp32 == engine_fp32:
-        return
-    on, off = ("policy", "rollout") if policy_fp32 else ("rollout", "policy")
-    fix = f"set {off}.head_dtype=float32 as well"
-    if "head_dtype" not in engine_args:
-        fix = (
-            f"rollout._target_={cfg.rollout._target_} has no rollout.head_dtype option (its head computes in the "
-            "model dtype): use the torch engine with rollout.head_dtype=float32"
-        )
-    log.warning(
-        "policy.head_dtype=%s and rollout.head_dtype=%s with policy.dtype=%s: the LM head computes in fp32 on the %s "
-        "side only. Both sides in fp32 gave the smallest train/rollout mismatch in every measurement "
-        "(docs/correctors.md); one side only leaves the other side's rounding of the logits in the mismatch (worse "
-        "than neither where both sides compute the same hidden states; NeMo-RL refuses it). To fix: %s, or unset "
-        "%s.head_dtype",
-        policy_head, engine_head, dtype, on, fix, on,
-    )  # fmt: skip
-
-
 def _settle_task(task: Any, cfg: DictConfig) -> None:
     """Settle what follows the task before the other groups are built (they interpolate it):
 
@@ -455,20 +355,12 @@ def _settle_task(task: Any, cfg: DictConfig) -> None:
       (:meth:`ais_lightning.tasks.Task.response_budget`).
 
     Both are written back to ``cfg``, so the config a run logs names them."""
-    resolve = getattr(task, "resolve_format", None)
-    if resolve is not None:  # else a task of one format (no format option)
-        settled = resolve(bool(cfg.policy.get("chat_template", False)))
-        if cfg.task.get("format") == "auto" and not OmegaConf.is_readonly(cfg):
-            cfg.task.format = settled
+    settled = task.resolve_format(bool(cfg.policy.get("chat_template", False)))
+    if cfg.task.get("format") == "auto" and not OmegaConf.is_readonly(cfg):
+        cfg.task.format = settled
     if "algorithm" in cfg and cfg.algorithm.get("max_new_tokens", 0) is None:
-        budget = getattr(task, "response_budget", None)
-        if budget is None:
-            raise ValueError(
-                f"algorithm.max_new_tokens is null but the task ({cfg.task._target_}) has no response_budget(): "
-                "set algorithm.max_new_tokens"
-            )
         with read_write(cfg):
-            cfg.algorithm.max_new_tokens = budget()
+            cfg.algorithm.max_new_tokens = task.response_budget()
 
 
 def _resolve_warm_start(c: Components, cfg: DictConfig) -> None:
@@ -478,35 +370,19 @@ def _resolve_warm_start(c: Components, cfg: DictConfig) -> None:
     names it."""
     from ais_lightning.warmstart import resolve_enabled
 
-    pretrained = bool(getattr(c.policy, "PRETRAINED_WEIGHTS", False))
+    pretrained = bool(c.policy.PRETRAINED_WEIGHTS)
     c.warmstart.enabled = resolve_enabled(c.warmstart.enabled, starts_pretrained=pretrained)
     if cfg.warmstart.get("enabled") == "auto" and not OmegaConf.is_readonly(cfg):
         cfg.warmstart.enabled = c.warmstart.enabled
-
-
-def _align_outlier_channels(policy: Any, engine_args: dict[str, Any]) -> None:
-    """With ``policy.aligned_quantization`` the trainer runs the rollout recipe on every input channel, so the
-    engine keeps no outlier channel in high precision: ``rollout.outlier_fraction`` left None becomes 0; a
-    positive value is refused (the two forwards would differ on purpose)."""
-    if getattr(policy, "aligned_quantization", None) is None or "outlier_fraction" not in engine_args:
-        return
-    fraction = engine_args["outlier_fraction"]
-    if fraction is None:
-        engine_args["outlier_fraction"] = 0.0
-    elif fraction > 0:
-        raise ValueError(
-            f"rollout.outlier_fraction={fraction} keeps outlier channels in high precision in the engine, but "
-            "policy.aligned_quantization runs the trainer's forward through the recipe on every channel: set "
-            "rollout.outlier_fraction=0 (or leave it unset) for the aligned forward to match the engine"
-        )
 
 
 def validate(cfg: DictConfig) -> Components:
     """Build and check every cheap component of a composed ``ais-train`` config; raises ValueError naming the key.
 
     Types and unknown keys were already checked at composition by the schemas; this builds the objects
-    (whose constructors check their own arguments) and adds the rules that involve several groups
-    (``task.format=auto`` and ``algorithm.max_new_tokens=null`` are settled here from ``policy.chat_template``
+    (whose constructors check their own arguments), the engine specs (whose classes check their arguments), and
+    applies the rules that involve several groups once (:func:`ais_lightning.rules.check_components`;
+    ``task.format=auto`` and ``algorithm.max_new_tokens=null`` are settled here from ``policy.chat_template``
     and the task, ``warmstart.enabled=auto`` from the policy option, in the components and in ``cfg``).
     Nothing heavy is built: no model, no engine.
     """
@@ -515,22 +391,12 @@ def validate(cfg: DictConfig) -> Components:
     task = build_option(cfg, "task")
     _settle_task(task, cfg)  # before the rest: other groups interpolate algorithm.max_new_tokens
     _check_missing(cfg)
-    engine_cls, checked_args = check_engine(cfg)
+    engine = check_engine(cfg)
     # the algorithm first: other groups interpolate its values, and a bad one is reported under its own key
     order = ("algorithm", *(g for g in GROUPS if g not in ("algorithm", "rollout", "task")))
     built = {g: build_option(cfg, g) for g in order}
-    engine_args = _arguments(cfg.rollout)
-    _align_outlier_channels(built["policy"], engine_args)
-    eval_engine = None
-    copy_args = getattr(engine_cls, "TRAINER_PRECISION_COPY", None)
-    if copy_args is not None:
-        copy_args = dict(copy_args)
-        if "head_dtype" in checked_args:  # the trainer-precision copy computes its head as the trainer does
-            copy_args["head_dtype"] = getattr(built["policy"], "head_dtype", None)
-        eval_engine = functools.partial(engine_cls, **{**engine_args, **copy_args})
-    components = Components(
-        engine=functools.partial(engine_cls, **engine_args), eval_engine=eval_engine, task=task, **built
-    )
+    eval_engine = trainer_precision_engine(engine, built["policy"])
+    components = Components(engine=engine, eval_engine=eval_engine, task=task, **built)
     _resolve_warm_start(components, cfg)
-    _check_combination(components, cfg, engine_cls, checked_args)
+    rules.check_components(components, cfg)
     return components

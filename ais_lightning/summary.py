@@ -273,5 +273,5 @@ def describe_engine(engine: Any) -> str:
     the forward it ran (``model_impl``); "not built" before setup."""
     if engine is None:
         return "not built"
-    text = f"{type(engine).__name__} {engine.precision}".strip()
+    text = f"{type(engine).__name__} {engine.precision or ''}".strip()
     return f"{text} ({engine.model_impl} forward)" if engine.model_impl else text

@@ -320,9 +320,7 @@ def cache_key_payload(
         },
         "tokenizer": tokenizer_fingerprint(tokenizer),
         **({"chat_template": tokenizer.chat_template} if policy.chat_template else {}),  # the prompts' format
-        **(
-            {"head_dtype": "float32"} if getattr(policy, "head_float32", False) else {}
-        ),  # the head's precision
+        **({"head_dtype": "float32"} if policy.head_float32 else {}),  # the head's precision
         "task": task_fingerprint(task),
         "settings": settings.key_fields(),
         "seed": seed,
@@ -612,7 +610,7 @@ def warm_start(
     if not isinstance(settings, WarmStartSettings):
         raise ValueError(f"settings must be a WarmStartSettings, got {type(settings).__name__}")
     if tokenizer is None:
-        tokenizer = getattr(policy, "tokenizer", None)
+        tokenizer = policy.tokenizer
         if tokenizer is None:
             raise ValueError("warm_start needs a tokenizer (none given and policy.tokenizer is None)")
     sft_seed = seed if settings.seed is None else settings.seed

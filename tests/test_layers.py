@@ -17,6 +17,7 @@ LIBRARY = {
 """What users lift into their own Lightning projects (``files``: verified files, used by the GGUF cache too)."""
 APPLICATION = {
     "build",
+    "rules",
     "config",
     "train",
     "trainer",

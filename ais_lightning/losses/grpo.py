@@ -59,8 +59,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
+from ais_lightning.losses.base import PolicyLoss
 from ais_lightning.losses.penalties import squared_log_ratio_penalty
 from ais_lightning.ops import LOG_RATIO_CLAMP, check_mask, check_token_tensor, masked_mean, masked_sum
 
@@ -177,7 +177,7 @@ def check_identity_weights(weights: torch.Tensor, mask: torch.Tensor, loss_name:
         )
 
 
-class GRPOLoss(nn.Module):
+class GRPOLoss(PolicyLoss):
     """PPO-clip policy-gradient loss for GRPO with IS weights, k3 KL and entropy bonus.
 
     Args:

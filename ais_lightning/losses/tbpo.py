@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
+from ais_lightning.losses.base import PolicyLoss
 from ais_lightning.losses.grpo import (
     LossOutput,
     aggregate,
@@ -61,7 +61,7 @@ def geometric_log_ratio(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return sequence_log_ratio(delta, mask, "geometric")[:, 0]  # [B]
 
 
-class TBPOLoss(nn.Module):
+class TBPOLoss(PolicyLoss):
     """Sequence-level trust-band PPO-clip loss of QaRL (arXiv 2604.07853), as formulated in the module doc.
 
     Args:

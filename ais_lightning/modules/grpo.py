@@ -49,11 +49,12 @@ from ais_lightning.diagnostics import (
     TokenMultProbError,
     sequence_mult_prob_error,
 )
-from ais_lightning.losses import ADVANTAGE_SCALES, group_advantages
+from ais_lightning.losses import ADVANTAGE_SCALES, PolicyLoss, group_advantages
 from ais_lightning.models.routing import moe_routers, routing_replay_mask
 from ais_lightning.modules.mixed_precision import build_optimizer, master_optimizer
 from ais_lightning.policy import Policy, ResponseLogprobs
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
+from ais_lightning.rollout.factory import EngineSpec
 from ais_lightning.tasks import SOLVED_REWARD, Task, safe_rewards, task_fields
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
@@ -192,6 +193,17 @@ class GRPOSettings:
         """Optimizer steps one rollout step takes (Lightning's ``global_step`` counts these)."""
         return self.ppo_epochs * self.mini_batches
 
+    @staticmethod
+    def module_class() -> type[GRPOModule]:
+        """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments); an
+        algorithm with a loop of its own (Sol-RL) returns its subclass."""
+        return GRPOModule
+
+    def check_components(self, components: Any, cfg: Any = None) -> None:
+        """This algorithm's rules involving other config groups (``components``: ``ais_lightning.build.Components``;
+        ``cfg``: the composed config), run once by ``ais-train`` among the rules between groups
+        (``ais_lightning.rules``): ValueError naming the key. GRPO has none."""
+
 
 @dataclass
 class Experience:
@@ -219,9 +231,13 @@ class GRPOModule(LightningModule):
         policy: the trainer's policy (high precision), with its ``tokenizer``.
         task: the prompts' reward function (``ais_lightning.tasks.Task``).
         corrector: ``NoCorrection`` / ``TIS`` / ``MIS`` / ``AIS`` ... (an nn.Module; its state is checkpointed).
-        loss: a policy loss with the ``ais_lightning.losses.PolicyLoss`` call signature (``GRPOLoss``,
-            QaRL's ``TBPOLoss``, ...); it gets pi_old, mu and the corrector's weights and uses what it needs.
-        engine_factory: builds the rollout engine from an unsharded model (called once per rank).
+        loss: a policy loss, an ``ais_lightning.losses.PolicyLoss`` (``GRPOLoss``, QaRL's ``TBPOLoss``, ...); it
+            gets pi_old, mu and the corrector's weights and uses what it needs.
+        engine_factory: builds the rollout engine (an ``ais_lightning.rollout.RolloutEngine``) from an unsharded
+            model (called once per rank): an ``ais_lightning.rollout.EngineSpec`` (what ``ais-train`` passes), a
+            ``functools.partial`` of an engine class, or any callable. Its checks against the policy (a progressive
+            ``aligned_schedule`` needs an engine that switches precision) run where the engine class shows; a
+            spec's own checks are not run again.
         settings: GRPO's loop settings (``GRPOSettings``).
         eval_engine_factory: builds a trainer-precision engine for validation (None = skip that half).
         seed: base seed; rollout step s on rank r samples with a seed derived from (seed, s, r).
@@ -232,20 +248,20 @@ class GRPOModule(LightningModule):
         policy: Policy,
         task: Task,
         corrector: nn.Module,
-        loss: nn.Module,
+        loss: PolicyLoss,
         engine_factory: EngineFactory,
         settings: GRPOSettings | None = None,
         eval_engine_factory: EngineFactory | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if getattr(policy, "tokenizer", None) is None:
+        if policy.tokenizer is None:
             raise ValueError(
                 "policy.tokenizer is None: the GRPO module encodes prompts with the policy's tokenizer"
             )
         from ais_lightning.policy.builders import check_aligned_schedule_engine
 
-        check_aligned_schedule_engine(getattr(policy, "aligned_schedule", None), engine_factory)
+        check_aligned_schedule_engine(policy.aligned_schedule, engine_factory)
         self.automatic_optimization = False
         self.policy = policy
         self.task = task
@@ -267,9 +283,7 @@ class GRPOModule(LightningModule):
             max_new_tokens=s.max_new_tokens,
             stop_token_ids=[policy.tokenizer.eos_token_id],
         )
-        self.reference = (
-            copy.deepcopy(policy).requires_grad_(False) if getattr(loss, "needs_reference", False) else None
-        )
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if loss.needs_reference else None
         self.mismatch = MismatchDiagnostics(prefix="mismatch/")
         self.entropy_metric = TokenEntropy()
         # QaRL's failure mode of quantized rollouts: degenerate, repetitive or garbled "error tokens".
@@ -379,8 +393,7 @@ class GRPOModule(LightningModule):
         """``engine.generate`` for validation, leaving the engine's calibration (outlier channels, ranges seen
         since the last sync) as it was: validation never changes what training does, so a run trains the
         same whether and how often it validates, and a resumed run as the uninterrupted one."""
-        save = getattr(engine, "calibration_state", None)
-        state = save() if save is not None else None
+        state = engine.calibration_state()
         try:
             return engine.generate(self.encode_prompts(prompts), greedy)
         finally:
@@ -391,11 +404,10 @@ class GRPOModule(LightningModule):
         """A resumed run's engine takes the checkpoint's calibration (outlier channels and the ranges seen since
         the last sync), so it quantizes as the uninterrupted run would; once, after the engine is built."""
         state, self._engine_calibration = self._engine_calibration, None
-        load = getattr(self.engine, "load_calibration_state", None)
-        if state is None or load is None:
+        if state is None or self.engine is None:
             return
         try:
-            load(state)
+            self.engine.load_calibration_state(state)
         except ValueError as err:
             log.warning("the checkpoint's engine calibration does not fit the engine, recalibrating: %s", err)
 
@@ -409,14 +421,14 @@ class GRPOModule(LightningModule):
         (``engine.set_precision``). Returns the ``quant/stage`` and ``quant/bits`` (weight bits) to log;
         empty without a schedule.
         """
-        if getattr(self.policy, "aligned_schedule", None) is None:
+        if self.policy.aligned_schedule is None:
             return {}
         from ais_lightning.quant import FORMATS, get_recipe
 
         step = self.rollout_step if step is None else step
         recipe = self.policy.set_aligned_step(step)
-        if self.engine is not None and getattr(self.engine, "precision", recipe) != recipe:
-            if not callable(getattr(self.engine, "set_precision", None)):
+        if self.engine is not None and self.engine.precision != recipe:
+            if not self.engine.SUPPORTS_SET_PRECISION:
                 raise ValueError(
                     f"policy.aligned_schedule moves to {recipe!r} at rollout step {step}, but the rollout engine "
                     f"{type(self.engine).__name__} cannot switch its precision (no set_precision)"
@@ -433,6 +445,11 @@ class GRPOModule(LightningModule):
         with torch.inference_mode(False):
             fresh = self.policy.fresh_model().to(self.device)  # unsharded model of the same config
             engine = factory(fresh)
+            if not isinstance(engine, RolloutEngine):
+                raise TypeError(
+                    f"the engine factory built a {type(engine).__name__}, not a rollout engine (a subclass of "
+                    "ais_lightning.rollout.RolloutEngine)"
+                )
             engine.sync_weights(state)
         return engine
 
@@ -505,7 +522,7 @@ class GRPOModule(LightningModule):
         sampling = dataclasses.replace(self.sampling, seed=self._sampling_seed())
         batch = ops.to_device(self.engine.generate(self.encode_prompts(prompts), sampling), self.device)
         rollout_time = time.perf_counter() - t0
-        if getattr(self.policy, "router_replay", False) and batch.routing is None:
+        if self.policy.router_replay and batch.routing is None:
             raise ValueError(
                 f"policy.router_replay=true, but the rollout engine ({type(self.engine).__name__}) returned no routing "
                 "(RolloutBatch.routing): use an engine that records it (TorchRolloutEngine) or router_replay=false"
@@ -629,7 +646,7 @@ class GRPOModule(LightningModule):
 
     def _update_routing_metrics(self, batch: RolloutBatch) -> None:
         """Engine vs trainer routing of pi_old's forward (the trainer's own top-k, replayed or not)."""
-        replay = getattr(self.policy, "routing_replay", None)
+        replay = self.policy.routing_replay
         last = replay.last_routing() if replay is not None else None
         if self.routing_metrics is None or batch.routing is None or last is None:
             return
@@ -735,7 +752,7 @@ class GRPOModule(LightningModule):
     @property
     def _loss_needs_entropy(self) -> bool:
         """Whether the loss differentiates the entropy (an entropy bonus)."""
-        return bool(getattr(self.loss_fn, "needs_entropy", False))
+        return bool(self.loss_fn.needs_entropy)
 
     def _loss(self, part: Experience, denominator: torch.Tensor | None = None) -> Any:
         """The loss of one mini-batch (or of a micro-batch, with the mini-batch's ``denominator``): every loss
@@ -1004,9 +1021,7 @@ class GRPOModule(LightningModule):
         engines = {id(e): e for e in (self.engine, self.eval_engine) if e is not None}
         self.engine = self.eval_engine = None
         for engine in engines.values():
-            close = getattr(engine, "close", None)
-            if callable(close):
-                close()
+            engine.close()
 
     @contextlib.contextmanager
     def engines_released(self) -> Iterator[None]:
@@ -1024,8 +1039,9 @@ class GRPOModule(LightningModule):
         checkpoint["ais_bad_steps"] = self.bad_steps
         checkpoint["ais_reward_alarm"] = dict(self.reward_alarm)
         checkpoint["ais_validation_history"] = list(self.validation_history)
-        state = getattr(self.engine, "calibration_state", None)
-        checkpoint["ais_engine_calibration"] = state() if state is not None else None
+        checkpoint["ais_engine_calibration"] = (
+            self.engine.calibration_state() if self.engine is not None else None
+        )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.history = list(checkpoint.get("ais_history", []))
@@ -1042,18 +1058,13 @@ def _clip(text: str, limit: int = 160) -> str:
 
 
 def same_engine(a: EngineFactory, b: EngineFactory) -> bool:
-    """Whether two engine factories build the same engine: the same object, or ``functools.partial`` of one
-    engine class with the same arguments (compared after the class's ``check_args`` fills in its defaults)."""
+    """Whether two engine factories build the same engine: the same object, or the same engine class with the same
+    arguments after its ``check_args`` (:meth:`EngineSpec.same_engine_as`; an ``EngineSpec``'s checked arguments are
+    the ones it was made with, a ``functools.partial``'s are checked now)."""
     if a is b:
         return True
-    if not (isinstance(a, functools.partial) and isinstance(b, functools.partial)):
-        return False
-    if a.func is not b.func or a.args or b.args:
-        return False
-    check = getattr(a.func, "check_args", None)
-    if check is None:
-        return a.keywords == b.keywords
     try:
-        return check(**a.keywords) == check(**b.keywords)
+        spec_a, spec_b = EngineSpec.of(a), EngineSpec.of(b)
     except (TypeError, ValueError):
         return False
+    return spec_a is not None and spec_b is not None and spec_a.same_engine_as(spec_b)

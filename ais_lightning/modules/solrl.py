@@ -27,8 +27,9 @@ import torch
 
 from ais_lightning.checks import check_int
 from ais_lightning.modules.grpo import Experience, GRPOModule, GRPOSettings
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig
+from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
 from ais_lightning.rollout.coupled import regenerate, supports_coupled_noise, token_agreement
+from ais_lightning.rollout.factory import engine_class_of
 from ais_lightning.rollout.sampling import uniform_table
 from ais_lightning.rollout.screening import SELECTION_RULES, select_candidates
 
@@ -92,7 +93,7 @@ class SolRLSettings(GRPOSettings):
             raise ValueError(f"informative_tol must be a finite number >= 0, got {tol!r}")
 
     @staticmethod
-    def module_class() -> type:
+    def module_class() -> type[SolRLModule]:
         """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments)."""
         return SolRLModule
 
@@ -103,9 +104,9 @@ class SolRLSettings(GRPOSettings):
         a run of several processes needs a fixed batch (``train_prompts`` > 0), or FSDP's collectives
         would see different numbers of forwards on different ranks.
         """
-        engine = getattr(components.engine, "func", components.engine)
-        if not supports_coupled_noise(engine):
-            name = getattr(engine, "__qualname__", type(engine).__name__)
+        found = engine_class_of(components.engine)
+        if found is None or not supports_coupled_noise(found[0]):
+            name = found[0].__qualname__ if found is not None else repr(components.engine)
             raise ValueError(
                 f"algorithm=solrl regenerates with the cheap engine's per-step uniforms, and "
                 f"rollout._target_ ({name}) takes none in generate(): use a torch engine option "
@@ -117,7 +118,7 @@ class SolRLSettings(GRPOSettings):
                 "trainer-precision copy; rollout._target_ has none (TRAINER_PRECISION_COPY is None)"
             )
         trainer = components.trainer
-        several = getattr(trainer, "strategy", "auto") != "auto" or getattr(trainer, "world_size", 1) > 1
+        several = trainer.strategy != "auto" or trainer.world_size > 1
         if several and self.train_prompts == 0:
             raise ValueError(
                 "algorithm.train_prompts must be > 0 with several processes (trainer.strategy / devices): "
@@ -125,7 +126,7 @@ class SolRLSettings(GRPOSettings):
             )
 
 
-class _Replay:
+class _Replay(RolloutEngine):
     """A one-shot engine standing in for ``GRPOModule.engine``: ``generate`` returns a batch made already."""
 
     def __init__(self, batch: RolloutBatch) -> None:

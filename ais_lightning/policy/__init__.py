@@ -4,6 +4,7 @@ from ais_lightning.models.training import disable_dropout_in, enable_activation_
 from ais_lightning.policy.builders import (
     POLICIES,
     GGUFPretrained,
+    PolicySpec,
     Pretrained,
     SmolLM2,
     TinyQwen3,
@@ -23,6 +24,7 @@ __all__ = [
     "DiffusionPolicy",
     "GGUFPretrained",
     "Policy",
+    "PolicySpec",
     "Pretrained",
     "ResponseLogprobs",
     "SmolLM2",

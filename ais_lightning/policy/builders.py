@@ -6,6 +6,7 @@ Instantiating a spec is cheap and checks its arguments (config time, before anyt
 
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,20 +53,24 @@ def check_aligned_schedule_engine(schedule: Any, engine_factory: Any) -> None:
     """Refuse a progressive aligned schedule the rollout engine cannot follow (config time).
 
     ``schedule``: a checked ``aligned_schedule`` (or None: nothing to check); ``engine_factory``: the run's
-    engine builder, a ``functools.partial`` of an engine class (``ais_lightning.build.Components.engine``);
-    anything else (a lambda) is not inspected. At every stage boundary the engine switches its precision in
-    place (``engine.set_precision``), so the engine class must have that method, be built at the first
-    stage's precision, and accept every stage's recipe on the ``emulate`` backend (``check_args``).
+    engine builder, an :class:`~ais_lightning.rollout.EngineSpec` (``ais_lightning.build.Components.engine``, whose
+    checks ran when it was made and are not run again) or a ``functools.partial`` of an engine class; anything
+    else (a lambda) is not inspected (:func:`~ais_lightning.rollout.engine_class_of`). At every stage boundary the
+    engine switches its precision in place (``engine.set_precision``), so the engine class must declare
+    ``SUPPORTS_SET_PRECISION``, be built at the first stage's precision, and accept every stage's recipe on the
+    ``emulate`` backend (``check_args``).
     """
     if schedule is None:
         return
+    from ais_lightning.rollout.factory import EngineSpec, engine_class_of
+
     stages = check_aligned_schedule(schedule)
-    engine_cls = getattr(engine_factory, "func", None)
-    if not isinstance(engine_cls, type):
+    found = engine_class_of(engine_factory)
+    if found is None:
         return
-    args = dict(getattr(engine_factory, "keywords", {}) or {})
+    engine_cls, args = found
     name = engine_cls.__name__
-    if not callable(getattr(engine_cls, "set_precision", None)):
+    if not engine_cls.SUPPORTS_SET_PRECISION:
         raise ValueError(
             f"policy.aligned_schedule switches the rollout precision at every stage, but {name} cannot switch "
             "its precision in place (no set_precision); use the torch engine (rollout=int8_nested, int4, ...)"
@@ -76,10 +81,8 @@ def check_aligned_schedule_engine(schedule: Any, engine_factory: Any) -> None:
             f"rollout.precision={args.get('precision')!r} must be the first stage's recipe {first!r} of "
             "policy.aligned_schedule (the engine starts where the aligned forward starts)"
         )
-    check = getattr(engine_cls, "check_args", None)
-    if check is None:
-        return
-    backend = check(**args).get("backend")
+    spec = EngineSpec.of(engine_factory)
+    backend = spec.checked_arguments.get("backend")
     if backend not in (None, "emulate"):
         raise ValueError(
             f"policy.aligned_schedule needs rollout.backend=emulate (its stages switch recipes in place on the "
@@ -87,15 +90,61 @@ def check_aligned_schedule_engine(schedule: Any, engine_factory: Any) -> None:
         )
     for i, (_, recipe) in enumerate(stages):
         try:
-            check(**{**args, "precision": recipe, "backend": "emulate"})
+            spec.check(precision=recipe, backend="emulate")
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"policy.aligned_schedule[{i}] {recipe!r} is no emulated precision of {name}: {err}"
             ) from err
 
 
+class PolicySpec(abc.ABC):
+    """The base of a policy option of ``ais-train`` (``conf/policy``): a small spec that validates its arguments
+    when made (config time, nothing heavy) and builds the :class:`~ais_lightning.policy.Policy` later.
+
+    A subclass (a dataclass whose fields are the option's keys) implements :meth:`build` and overrides the
+    declared attributes it has; what the run's builder reads of a spec is declared here with its default:
+
+    - :attr:`MODEL_FAMILY` [``"autoregressive"``]: the family of the policy it builds (paired with an engine of
+      the same ``MODEL_FAMILY``); :attr:`PRETRAINED_WEIGHTS` [False]: it starts from a checkpoint's weights
+      (``warmstart.enabled=auto`` then runs no warm start).
+    - :attr:`dtype` [``"float32"``], :attr:`head_dtype` [None], :attr:`aligned_quantization` [None],
+      :attr:`aligned_schedule` [None], :attr:`router_replay` [False], :attr:`response_length` [None]: the options
+      the rules between config groups read (``ais_lightning.rules``).
+
+    Example:
+        >>> from ais_lightning.policy import PolicySpec, TinyQwen3
+        >>> spec = TinyQwen3(overrides={"num_hidden_layers": 1})  # checked now, built later
+        >>> isinstance(spec, PolicySpec), spec.MODEL_FAMILY, spec.PRETRAINED_WEIGHTS, spec.router_replay
+        (True, 'autoregressive', False, False)
+        >>> type(spec.build(seed=0)).__name__
+        'Policy'
+    """
+
+    MODEL_FAMILY: ClassVar[str] = "autoregressive"
+    """The family of the policy it builds; a run pairs it with an engine of the same ``MODEL_FAMILY``."""
+    PRETRAINED_WEIGHTS: ClassVar[bool] = False
+    """Starts from a checkpoint's weights (``warmstart.enabled=auto`` runs no warm start); False: random weights."""
+
+    dtype: str = "float32"
+    """Trainer precision (:data:`DTYPES`)."""
+    head_dtype: str | None = None
+    """Precision of the LM head's projection (None: the model dtype)."""
+    aligned_quantization: str | None = None
+    """QaRL: the ``ais_lightning.quant`` recipe the trainer's forward runs through (None = off)."""
+    aligned_schedule: list[list[Any]] | None = None
+    """Progressive precision of the aligned forward and the rollout engine (None = one recipe)."""
+    router_replay: bool = False
+    """Rollout routing replay (a mixture-of-experts policy only)."""
+    response_length: int | None = None
+    """The canvas length a masked-diffusion policy is warm-started on (None: no fixed length)."""
+
+    @abc.abstractmethod
+    def build(self, seed: int = 0) -> Policy:
+        """The policy, its weights initialized from ``seed`` where they are random."""
+
+
 @dataclass
-class TinyQwen3:
+class TinyQwen3(PolicySpec):
     """The built-in ~0.8M-parameter Qwen3 with the character tokenizer (built locally, nothing downloaded)."""
 
     PRETRAINED_WEIGHTS: ClassVar[bool] = False
@@ -145,7 +194,7 @@ class TinyQwen3:
 
 
 @dataclass
-class TinyQwen3Moe:
+class TinyQwen3Moe(PolicySpec):
     """The built-in tiny Qwen3-MoE (8 experts, 2 routed per token; :mod:`ais_lightning.models.tiny_moe`) with the
     character tokenizer, built locally. Its rollouts run the model's own forward in the torch engine, with the
     experts quantized at low precision (:class:`ais_lightning.quant.QuantExperts`)."""
@@ -200,7 +249,7 @@ class TinyQwen3Moe:
 
 
 @dataclass
-class Pretrained:
+class Pretrained(PolicySpec):
     """Any Hugging Face causal LM from a local directory (weights and tokenizer; never the hub)."""
 
     PRETRAINED_WEIGHTS: ClassVar[bool] = True

@@ -68,6 +68,7 @@ from torch import nn
 
 from ais_lightning.models.head import LogitTransform
 from ais_lightning.ops import autograd_usable
+from ais_lightning.policy.builders import PolicySpec
 from ais_lightning.policy.policy import (
     LogprobTensors,
     Policy,
@@ -580,7 +581,7 @@ def tiny_diffusion_policy(
 
 
 @dataclass
-class TinyLLaDA:
+class TinyLLaDA(PolicySpec):
     """Config spec of the built-in tiny masked-diffusion policy (``policy=tiny_llada``): validates on
     construction (config time, nothing built), :meth:`build` makes the policy (as ``policy.builders``' specs)."""
 

@@ -16,7 +16,7 @@ import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -377,6 +377,9 @@ class Policy(nn.Module):
     ``policy.model`` is an FSDP module that computation is registered as one of its forward methods
     (``register_fsdp_forward_method``), so embeddings, final norm and lm_head are gathered for it.
     """
+
+    MODEL_FAMILY: ClassVar[str] = "autoregressive"
+    """The family of model it scores (a subclass for another family overrides it, e.g. ``DiffusionPolicy``)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Rollout engines: the RolloutEngine protocol, the torch, vLLM and TE engines, the engine factory.
+"""Rollout engines: the RolloutEngine base class, the torch, vLLM and TE engines, the engine factory.
 
 ``VLLMRolloutEngine`` is exported lazily: ``from ais_lightning.rollout import VLLMRolloutEngine``
 imports ``ais_lightning.rollout.vllm_engine`` on first access (module ``__getattr__``, PEP 562), and
@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
 from ais_lightning.rollout.factory import (
     ENGINES,
+    EngineSpec,
     build_engine,
     engine_class,
+    engine_class_of,
     engine_precisions,
     validate_engine_config,
 )
@@ -34,6 +36,7 @@ _LAZY = {"VLLMRolloutEngine": "ais_lightning.rollout.vllm_engine"}
 __all__ = [
     "ENGINES",
     "PRECISIONS",
+    "EngineSpec",
     "RolloutBatch",
     "RolloutEngine",
     "SamplingConfig",
@@ -42,6 +45,7 @@ __all__ = [
     "VLLMRolloutEngine",
     "build_engine",
     "engine_class",
+    "engine_class_of",
     "engine_precisions",
     "sample_next",
     "sampling_logprobs",

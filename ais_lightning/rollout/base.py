@@ -3,17 +3,19 @@
 An engine wraps a Hugging Face causal LM, generates responses to token-id prompts with
 sampling, and returns the log-prob of each sampled token under its *own* (possibly
 low-precision) forward, after temperature. ``sync_weights`` is called after every optimizer
-step with the trainer's full (unsharded) weights and buffers.
+step with the trainer's full (unsharded) weights and buffers. Every other capability the
+training loop and ``ais-train`` use is declared, with its default, on :class:`RolloutEngine`.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -122,14 +124,134 @@ class RolloutBatch:
         return int(self.response_mask.sum())
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from an engine."""
+class RolloutEngine(abc.ABC):
+    """The base of every rollout engine: what ``GRPOModule`` and ``ais-train`` use, each with its default.
 
+    A subclass implements :meth:`generate` and :meth:`sync_weights` and overrides what it supports. The class
+    attributes and classmethods are read before any engine exists (``ais-train`` checks a config with them);
+    nothing else of an engine is looked up by name.
+
+    Declared capabilities (defaults in brackets):
+
+    - :attr:`PRECISIONS` [``()``]: the ``precision`` values the constructor accepts.
+    - :attr:`TRAINER_PRECISION_COPY` [None]: constructor arguments that turn the engine into a copy of itself at
+      the trainer's precision (fp32), which measures validation accuracy at that precision; None: no such copy.
+    - :attr:`MODEL_FAMILY` [``"autoregressive"``]: the family of models it samples (a policy of another family
+      is refused).
+    - :attr:`RECORDS_ROUTING` [False]: it records mixture-of-experts routing (``RolloutBatch.routing``), which
+      ``policy.router_replay`` replays.
+    - :attr:`SUPPORTS_SET_PRECISION` [False]: :meth:`set_precision` switches the precision in place (a
+      progressive ``policy.aligned_schedule`` needs it).
+    - :meth:`check_args` [returns the arguments as given] and :meth:`check_model` [checks nothing]: validation
+      before any engine is built, from the constructor's arguments and from the model.
+    - :attr:`precision` [None: not declared] and :attr:`model_impl` [None]: what a built engine runs, for the
+      run's summary and the precision schedule.
+    - :meth:`calibration_state` [None] / :meth:`load_calibration_state` [refuses anything but None]: the engine's
+      own state beyond its weights, kept in checkpoints.
+    - :meth:`close` [nothing to release]: frees what the engine holds (device memory) at the end of a run.
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.rollout import RolloutBatch, RolloutEngine, SamplingConfig
+        >>> class Echo(RolloutEngine):
+        ...     "Answers every prompt with its last token, with probability 1."
+        ...     precision = "fp32"
+        ...     def sync_weights(self, named_tensors):
+        ...         pass  # no weights
+        ...     def generate(self, prompts, sampling):
+        ...         rows = [p for p in prompts for _ in range(sampling.n)]
+        ...         return RolloutBatch(
+        ...             prompt_ids=torch.tensor(rows), prompt_mask=torch.ones(len(rows), len(rows[0]), dtype=torch.bool),
+        ...             response_ids=torch.tensor([[r[-1]] for r in rows]), response_mask=torch.ones(len(rows), 1, dtype=torch.bool),
+        ...             rollout_logprobs=torch.zeros(len(rows), 1), finish_reason=["length"] * len(rows),
+        ...             prompt_index=torch.arange(len(prompts)).repeat_interleave(sampling.n),
+        ...         )
+        >>> engine = Echo()
+        >>> engine.generate([[5, 7]], SamplingConfig(n=2)).response_ids.tolist()
+        [[7], [7]]
+        >>> Echo.check_args(precision="fp32"), Echo.TRAINER_PRECISION_COPY, Echo.MODEL_FAMILY
+        ({'precision': 'fp32'}, None, 'autoregressive')
+        >>> engine.SUPPORTS_SET_PRECISION, engine.calibration_state()
+        (False, None)
+        >>> engine.set_precision("int8")
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: Echo cannot switch its precision in place (SUPPORTS_SET_PRECISION is False): build a new engine at precision 'int8'
+    """
+
+    PRECISIONS: ClassVar[tuple[str, ...]] = ()
+    """The ``precision`` values the constructor accepts (``ais_lightning.rollout.engine_precisions``); empty: the
+    engine declares none."""
+    TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = None
+    """Constructor arguments that make a plain fp32 copy of the engine (the trainer's precision), merged over the
+    engine's own: validation measures accuracy with it beside the engine's. None: no such copy."""
+    MODEL_FAMILY: ClassVar[str] = "autoregressive"
+    """The family of models it samples; a run pairs it only with a policy of the same ``MODEL_FAMILY``."""
+    RECORDS_ROUTING: ClassVar[bool] = False
+    """Whether ``generate`` records mixture-of-experts routing (``RolloutBatch.routing``) for
+    ``policy.router_replay``."""
+    SUPPORTS_SET_PRECISION: ClassVar[bool] = False
+    """Whether :meth:`set_precision` switches the precision in place (a subclass that sets it overrides the
+    method)."""
+
+    precision: str | None = None
+    """The precision the engine runs (one of :attr:`PRECISIONS`); None: not declared."""
+    model_impl: str | None = None
+    """The forward the engine runs, when it has a choice (the torch engine: ``"lean"`` or ``"transformers"``);
+    None otherwise."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.SUPPORTS_SET_PRECISION and cls.set_precision is RolloutEngine.set_precision:
+            raise TypeError(
+                f"{cls.__name__} declares SUPPORTS_SET_PRECISION but does not override set_precision"
+            )
+
+    @abc.abstractmethod
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's full weights and buffers (re-quantizing where the engine quantizes)."""
-        ...
 
+    @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
-        """Sample ``sampling.n`` responses per prompt."""
-        ...
+        """Sample ``sampling.n`` responses per prompt (rows of one prompt contiguous), with the log-prob of every
+        sampled token under the engine's own forward, after temperature."""
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> dict[str, Any]:
+        """Validate constructor arguments (all but ``model``) without building anything: ValueError naming the
+        argument. Returns them with the constructor's defaults filled in and normalized (compared to tell whether
+        two configurations build the same engine). Default: the arguments as given, unchecked."""
+        return dict(kwargs)
+
+    @classmethod
+    def check_model(cls, model: Any, **arguments: Any) -> Any:
+        """Check what depends on ``model`` itself, with the constructor's other ``arguments``, without copying the
+        model (``ais-train`` runs it on the initial policy before its warm start): ValueError saying why the engine
+        cannot run it. Default: nothing to check."""
+        return None
+
+    def set_precision(self, precision: str) -> None:
+        """Switch to another precision in place, as if built at ``precision`` from the current weights (only when
+        :attr:`SUPPORTS_SET_PRECISION`). Default: NotImplementedError."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot switch its precision in place (SUPPORTS_SET_PRECISION is False): build a "
+            f"new engine at precision {precision!r}"
+        )
+
+    def calibration_state(self) -> Any:
+        """The engine's own state beyond the weights a sync delivers (e.g. calibrated outlier channels), which a
+        checkpoint keeps so that a resumed run samples as the uninterrupted one; None: nothing to keep (default)."""
+        return None
+
+    def load_calibration_state(self, state: Any) -> None:
+        """Restore :meth:`calibration_state` (after the weights are synced); ValueError for a state that does not fit
+        this engine, leaving it as it was. Default: only None (nothing) fits."""
+        if state is not None:
+            raise ValueError(
+                f"{type(self).__name__} keeps no calibration state, got a {type(state).__name__} (taken from another "
+                "engine)"
+            )
+
+    def close(self) -> None:  # noqa: B027 - a default (nothing to release), not an abstract method
+        """Release what the engine holds (e.g. vLLM's device memory); it cannot sample afterwards. Default: nothing
+        to release."""

@@ -53,7 +53,7 @@ from torch import nn
 from ais_lightning.checks import check_int
 from ais_lightning.ops import logprobs_from_logits, pad_sequences
 from ais_lightning.quant.linear import default_int8_backend
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig, without_autocast
+from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, context_length
 from ais_lightning.rollout.sampling import make_generator, sample_next
 from ais_lightning.rollout.weight_sync import check_named_tensors
@@ -148,7 +148,7 @@ def _is_int(value: Any, minimum: int) -> bool:
         return False
 
 
-class DiffusionRolloutEngine:
+class DiffusionRolloutEngine(RolloutEngine):
     """Samples a masked-diffusion LM (e.g. :class:`ais_lightning.models.TinyDiffusionLM`) with LLaDA's sampler.
 
     Args:

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ais_lightning.rollout.base import RolloutEngine
 from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_capability,
@@ -188,6 +189,11 @@ class TERolloutEngine(TorchRolloutEngine):
     PRECISIONS: ClassVar[tuple[str, ...]] = TE_PRECISIONS
     TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = None
     """No fp32 copy: Transformer Engine runs fp8 only (validation reports the engine's precision)."""
+    SUPPORTS_SET_PRECISION: ClassVar[bool] = False
+    """Transformer Engine runs fp8 only: no precision to switch to (a progressive schedule is refused)."""
+    set_precision = (
+        RolloutEngine.set_precision
+    )  # the torch engine's switches emulated recipes, which TE has none of
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ from ais_lightning.models.routing import RoutingRecorder, moe_routers, routing_d
 from ais_lightning.quant.linear import default_int8_backend
 from ais_lightning.quant.outliers import OutlierCalibration, check_fraction
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig, without_autocast
+from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
 from ais_lightning.rollout.decoders import (
     CACHED_DECODE_TOLERANCE,
     LeanDecoder,
@@ -214,7 +214,7 @@ def _check_engine_device(name: str, device: Any, backend: str | None, precision:
     return device
 
 
-class TorchRolloutEngine:
+class TorchRolloutEngine(RolloutEngine):
     """Batched sampler over a private (optionally quantized) copy of ``model``.
 
     Args:
@@ -282,6 +282,8 @@ class TorchRolloutEngine:
     }
     """Arguments that turn this engine into a plain fp32 copy of itself (the trainer's precision), used
     to measure validation accuracy at the trainer's precision beside the engine's; None = no such copy."""
+    SUPPORTS_SET_PRECISION: ClassVar[bool] = True
+    """:meth:`set_precision` switches between emulated quantized precisions in place (progressive precision)."""
 
     def __init__(
         self,

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ais_lightning.rollout.base import RolloutBatch, SamplingConfig, without_autocast
+from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
 from ais_lightning.rollout.engine_args import (
     bind_engine_args,
     check_capability,
@@ -370,7 +370,7 @@ def select_sync_tensors(
     return kept
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(RolloutEngine):
     """Sample rollouts with vLLM's in-process ``LLM``; see the module docstring.
 
     Args:
@@ -398,10 +398,10 @@ class VLLMRolloutEngine:
     """
 
     PRECISIONS: ClassVar[tuple[str, ...]] = PRECISIONS
+    """Precisions this engine runs (what :func:`ais_lightning.rollout.engine_precisions` reports)."""
     TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = None
     """No second vLLM instance in one process (it owns its device memory); validation reports the engine's
     precision only."""
-    """Precisions this engine runs (what :func:`ais_lightning.rollout.engine_precisions` reports)."""
 
     def __init__(
         self,

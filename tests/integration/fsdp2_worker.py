@@ -24,7 +24,7 @@ from ais_lightning.losses import GRPOLoss
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
-from ais_lightning.rollout.base import RolloutBatch
+from ais_lightning.rollout.base import RolloutBatch, RolloutEngine
 from ais_lightning.rollout.torch_engine import TorchRolloutEngine
 from ais_lightning.tasks import get_task
 from ais_lightning.tasks.arithmetic import Arithmetic
@@ -45,7 +45,7 @@ GROUP = 4
 LR = 1e-3
 
 
-class Recording:
+class Recording(RolloutEngine):
     """Wraps a real engine and keeps every batch it generated."""
 
     def __init__(self, engine):
@@ -60,7 +60,7 @@ class Recording:
         return batch
 
 
-class Replay:
+class Replay(RolloutEngine):
     """Returns a recorded batch instead of generating (the single-process reference)."""
 
     def __init__(self, batch: RolloutBatch):

@@ -24,9 +24,9 @@ from tests.integration.test_config import make
     ],
 )
 def test_a_one_sided_fp32_head_warns_naming_both_keys(overrides, on, caplog):
-    with caplog.at_level(logging.WARNING, logger="ais_lightning.build"):
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.rules"):
         validate(make(*overrides))
-    (message,) = [r.getMessage() for r in caplog.records if r.name == "ais_lightning.build"]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "ais_lightning.rules"]
     assert "policy.head_dtype=" in message and "rollout.head_dtype=" in message
     assert f"fp32 on the {on} side only" in message
     off = "rollout" if on == "policy" else "policy"
@@ -44,9 +44,9 @@ def test_a_one_sided_fp32_head_warns_naming_both_keys(overrides, on, caplog):
     ],
 )
 def test_consistent_heads_validate_without_a_warning(overrides, caplog):
-    with caplog.at_level(logging.WARNING, logger="ais_lightning.build"):
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.rules"):
         validate(make(*overrides))
-    assert not [r for r in caplog.records if r.name == "ais_lightning.build"]
+    assert not [r for r in caplog.records if r.name == "ais_lightning.rules"]
 
 
 def test_the_trainer_precision_engine_computes_its_head_as_the_policy():

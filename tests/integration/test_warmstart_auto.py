@@ -41,11 +41,14 @@ def test_an_explicit_choice_is_kept(value, tmp_path):
 
 
 def test_a_policy_spec_without_the_attribute_counts_as_random_weights():
-    """A user's own policy spec (no ``PRETRAINED_WEIGHTS``) keeps the warm start the settings ask for."""
+    """A user's own policy spec (``PRETRAINED_WEIGHTS`` left at ``PolicySpec``'s default) keeps the warm start the
+    settings ask for."""
     from ais_lightning.build import _resolve_warm_start
+    from ais_lightning.policy import PolicySpec
 
-    class Spec:  # noqa: B903 - a stand-in for a user's policy spec
-        pass
+    class Spec(PolicySpec):  # a stand-in for a user's policy spec
+        def build(self, seed=0):
+            raise AssertionError("never built")
 
     class C:
         policy = Spec()

@@ -18,13 +18,13 @@ from ais_lightning.losses import GRPOLoss, group_advantages
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
-from ais_lightning.rollout import TorchRolloutEngine
+from ais_lightning.rollout import RolloutEngine, TorchRolloutEngine
 from tests.modules.test_grpo_module import OddCharacters, _fit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class Shifted:
+class Shifted(RolloutEngine):
     """The fp32 torch engine with the rollout log-probs of ``rows`` (None: all) shifted by ``shift``."""
 
     def __init__(self, model, shift: float, rows: list[int] | None = None):

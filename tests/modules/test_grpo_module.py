@@ -14,7 +14,7 @@ from ais_lightning.losses import GRPOLoss
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
-from ais_lightning.rollout import TorchRolloutEngine
+from ais_lightning.rollout import RolloutEngine, TorchRolloutEngine
 from ais_lightning.tasks.arithmetic import Arithmetic
 
 
@@ -25,7 +25,7 @@ class OddCharacters(Arithmetic):
         return [sum(ord(c) % 2 for c in text) / max(len(text), 1) for text in completions]
 
 
-class NaNRollouts:
+class NaNRollouts(RolloutEngine):
     """A real engine whose rollout log-probs come back NaN (a broken low-precision kernel)."""
 
     def __init__(self, model):

@@ -15,7 +15,7 @@ from ais_lightning.policy import Policy, TinyQwen3
 from ais_lightning.policy.builders import check_aligned_schedule_engine
 from ais_lightning.policy.policy import check_aligned_schedule
 from ais_lightning.quant import NESTED_INT_RECIPES, QuantLinear
-from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
+from ais_lightning.rollout import RolloutEngine, SamplingConfig, TorchRolloutEngine
 
 PROMPTS = [[20, 14, 21, 32], [25, 14, 29, 32], [23, 14, 20, 32]]
 SAMPLING = SamplingConfig(n=2, max_new_tokens=6, seed=3)
@@ -104,9 +104,15 @@ def test_the_engine_must_follow_the_schedule():
             ((0, "int4"), (3, "mxfp4")), functools.partial(TorchRolloutEngine, precision="int4")
         )
 
-    class FixedPrecisionEngine:  # an engine that cannot switch in place
+    class FixedPrecisionEngine(RolloutEngine):  # an engine that cannot switch in place
         def __init__(self, model, precision="fp32"):
             pass
+
+        def sync_weights(self, named_tensors):
+            pass
+
+        def generate(self, prompts, sampling):
+            raise AssertionError("never built")
 
     with pytest.raises(ValueError, match="cannot switch its precision in place"):
         check_aligned_schedule_engine(

@@ -61,10 +61,13 @@ def test_an_engine_without_coupled_noise_or_trainer_copy_is_refused():
     import functools
     import types
 
-    from ais_lightning.rollout import TorchRolloutEngine
+    from ais_lightning.rollout import RolloutEngine, TorchRolloutEngine
     from ais_lightning.trainer import TrainerSettings
 
-    class NoNoise:
+    class NoNoise(RolloutEngine):
+        def sync_weights(self, named_tensors):
+            raise AssertionError("never built")
+
         def generate(self, prompts, sampling):
             raise AssertionError("never built")
 

@@ -13,7 +13,7 @@ from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.modules.grpo import GRPOSettings
 from ais_lightning.modules.solrl import SolRLModule, SolRLSettings
 from ais_lightning.policy import Policy
-from ais_lightning.rollout import TorchRolloutEngine
+from ais_lightning.rollout import RolloutEngine, TorchRolloutEngine
 from ais_lightning.tasks.arithmetic import Arithmetic
 
 PROMPTS = {"prompt": ["1+2=", "3+4=", "5+1="], "solution": ["3", "7", "6"], "answer": [3, 7, 6]}
@@ -34,7 +34,7 @@ class Constant(Arithmetic):
         return [0.5] * len(completions)
 
 
-class NoNoiseEngine:
+class NoNoiseEngine(RolloutEngine):
     """An engine whose generate() takes no uniforms table."""
 
     def __init__(self, model):

@@ -31,7 +31,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, List, Optional  # noqa: UP035 - OmegaConf reads typing.List in the schema
+from typing import Any, Dict, List, Optional  # noqa: UP035 - OmegaConf reads typing.List and Dict in the schema
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -154,6 +154,9 @@ class TrainConfig:
     trusted_targets: Optional[List[str]] = None  # noqa: UP006, UP045
     """Modules a ``_target_`` may name besides ``ais_lightning`` (e.g. ``[my_pkg]``); null = any importable
     callable (a config is code). ``ais_lightning.build.check_trusted_targets`` checks the whole config first."""
+    shortcuts: Dict[str, str] = field(default_factory=dict)  # noqa: UP006
+    """What an option that sets keys of other groups set, by option (``corrector=qarl`` sets ``loss`` and
+    ``policy.aligned_quantization``): informational, so that ``ais-train --cfg job`` says it."""
 
 
 def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:

@@ -99,8 +99,17 @@ class Corrector(nn.Module):
         mask: torch.Tensor,
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        *,
+        impurity: torch.Tensor | None = None,
+        logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> RawCorrection:
-        """Weights and kept tokens from the clamped log-ratio ``delta`` (0 on masked tokens).  # [B, T]"""
+        """Weights and kept tokens from the clamped log-ratio ``delta`` (0 on masked tokens).  # [B, T]
+
+        Everything a corrector may receive: ``delta`` and ``mask`` ``[B, T]``, ``advantages`` (``[B]`` or
+        ``[B, T]``) and ``entropy`` ``[B, T]`` or None, always passed; ``impurity`` (``[B, T]`` or None) only to a
+        corrector that sets ``uses_impurity``, and ``logprobs=(train, rollout)`` (``[B, T]`` each) only to one that
+        sets ``needs_logprobs``, so a subclass that uses neither may leave them out of its signature.
+        """
         raise NotImplementedError
 
     def forward(

@@ -204,6 +204,13 @@ def test_qarl_sets_the_aligned_forward_and_needs_a_quantized_rollout():
         validate(make("corrector=qarl", "rollout=fp32"))
 
 
+def test_qarl_says_in_the_composed_config_what_it_sets():
+    """``corrector=qarl`` sets keys of other groups; ``--cfg job`` shows them under ``shortcuts``."""
+    assert dict(make().shortcuts) == {}
+    said = make("corrector=qarl", "rollout=fp4").shortcuts.qarl
+    assert "loss=tbpo" in said and "corrector=none" in said and "policy.aligned_quantization=fp4" in said
+
+
 def test_an_aligned_forward_keeps_no_outlier_channel_in_the_engine():
     """The aligned trainer quantizes every input channel, so the engine's default outlier channels go to 0."""
     assert validate(make("rollout=fp8")).engine.keywords.get("outlier_fraction") is None  # 0.05 when built

@@ -68,15 +68,11 @@ from torch import nn
 
 from ais_lightning.models.head import LogitTransform
 from ais_lightning.ops import autograd_usable
+from ais_lightning.policy.aligned import check_aligned_quantization
 from ais_lightning.policy.builders import PolicySpec
-from ais_lightning.policy.policy import (
-    LogprobTensors,
-    Policy,
-    ResponseLogprobs,
-    _is_fsdp_module,
-    check_aligned_quantization,
-    chunked_response_logprobs,
-)
+from ais_lightning.policy.gather import is_fsdp_module
+from ais_lightning.policy.policy import Policy
+from ais_lightning.policy.scoring import LogprobTensors, ResponseLogprobs, chunked_response_logprobs
 
 if TYPE_CHECKING:
     from ais_lightning.rollout.base import RolloutBatch
@@ -339,7 +335,7 @@ class DiffusionPolicy(Policy):
         if fn is not None:
             return fn
         fn = functools.partial(_score_positions, self.model)
-        if _is_fsdp_module(self.model):
+        if is_fsdp_module(self.model):
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             setattr(self.model, _FSDP_FORWARD_METHOD, fn)

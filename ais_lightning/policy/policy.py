@@ -2,358 +2,82 @@
 
 It computes the log-prob (and optionally the entropy) of each response token under the
 temperature-processed policy, without ever materializing the full ``[B, T, V]`` logits, and exports
-the full (unsharded) weights and buffers for rollout-engine weight sync.
+the full (unsharded) weights and buffers for rollout-engine weight sync. The class wires pieces that each
+do one job:
 
-Sequence layout (shared with every rollout engine): the prompt is left-padded, the response
-right-padded, the two are concatenated, and positions count real tokens only
-(``position_ids = cumsum(attention_mask) - 1``), so a padded row reproduces the unpadded row.
+- :mod:`ais_lightning.policy.scoring`: sequences, the decoder once and the chunked head (log-probs, entropy);
+- :mod:`ais_lightning.policy.gather`: full weights out of FSDP1/FSDP2 and into an engine's model;
+- :mod:`ais_lightning.policy.aligned`: QaRL's aligned forward and Bit-by-Bit's schedule of recipes;
+- :mod:`ais_lightning.policy.model_checks`: what the wrapped model must be (head, logit transform, routers);
+- :mod:`ais_lightning.policy.loading`: a local checkpoint, or a fresh copy of the model for an engine;
+- :mod:`ais_lightning.models.prompting` (chat template) and :mod:`ais_lightning.models.routing` (MoE routing
+  replay).
+
+The names tests and tools import from this module (``build_sequences``, ``check_aligned_schedule``, ...) are
+re-exported here.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from ais_lightning.models.head import (
-    LogitTransform,
-    check_head_dtype,
-    decoder_body,
-    decoder_hidden_states,
-    head_logits,
-    head_mismatch,
-    logit_transform,
-)
+from ais_lightning.models.head import LogitTransform, check_head_dtype, decoder_body
 from ais_lightning.models.prompting import check_chat_template, encode_prompts
-from ais_lightning.models.routing import RoutingReplay, gate_normalization, moe_routers, routing_replay_mask
+from ais_lightning.models.routing import RoutingReplay, moe_routers, routing_replay_mask
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
-from ais_lightning.ops import (
-    autograd_usable,
-    entropy_from_logprobs,
-    impurity_from_logprobs,
-    logprobs_from_logits,
-    masked_mean,
-    tempered_log_softmax,
+from ais_lightning.ops import autograd_usable, masked_mean
+from ais_lightning.policy.aligned import (
+    aligned_options,
+    check_aligned_quantization,
+    check_aligned_schedule,
+    quantize_aligned,
+    schedule_recipe,
+    schedule_stage,
+    switch_aligned,
+)
+from ais_lightning.policy.gather import full_state_dict, is_fsdp_module, load_named_tensors
+from ais_lightning.policy.loading import fresh_causal_lm, load_causal_lm
+from ais_lightning.policy.model_checks import (
+    HEAD_TOLERANCE,
+    check_causal_lm,
+    check_chunk_size,
+    check_float32_head,
+    check_router_replay,
+    checked_logit_transform,
+)
+from ais_lightning.policy.scoring import (
+    LogprobTensors,
+    ResponseLogprobs,
+    build_sequences,
+    chunked_response_logprobs,
+    decoder_logprobs,
 )
 
 if TYPE_CHECKING:
     from ais_lightning.rollout.base import RolloutBatch
 
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-"""Name fragments that activation-checkpoint / FSDP1 / torch.compile wrappers add to buffer names."""
+__all__ = [
+    "HEAD_TOLERANCE",
+    "LogprobTensors",
+    "Policy",
+    "ResponseLogprobs",
+    "build_sequences",
+    "check_aligned_quantization",
+    "check_aligned_schedule",
+    "chunked_response_logprobs",
+    "load_named_tensors",
+]
+
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 """Attribute names under which Hugging Face decoder bodies keep their ``nn.ModuleList`` of blocks."""
-HEAD_TOLERANCE: dict[torch.dtype | None, float] = {torch.float32: 1e-4, torch.float64: 1e-4, None: 2e-2}
-"""Largest relative difference between the policy's head and the model's forward accepted at construction,
-by parameter dtype (None: any other): about 1e-7 in fp32 when the head is reproduced, 0.1 to 1 when a
-logit transform is missing."""
 _FSDP_FORWARD_METHOD = "_ais_policy_response_logprobs"
 """Attribute under which the log-prob computation is registered as an FSDP2 forward method of the model."""
-
-
-@dataclass
-class ResponseLogprobs:
-    """Per-token outputs of :meth:`Policy.response_logprobs`."""
-
-    logprobs: torch.Tensor
-    """``[B, T]`` float32 log-prob of each response token under ``softmax(logits / temperature)``; 0 where masked."""
-    entropy: torch.Tensor | None
-    """``[B, T]`` float32 entropy (nats) of the temperature-processed next-token distribution; 0 where masked.
-    None unless ``compute_entropy=True``."""
-    impurity: torch.Tensor | None = None
-    """``[B, T]`` float32 collision impurity ``1 - sum_a pi(a)^2`` of the same distribution
-    (``ops.impurity_from_logprobs``); 0 where masked. None unless ``compute_entropy=True``. Values only (no
-    gradient): correctors and metrics read it."""
-
-
-LogprobTensors = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
-"""``(logprobs, entropy, impurity)`` ``[B, T]`` each, as a policy's forward returns them (FSDP and DDP hooks
-see plain tensors): :class:`ResponseLogprobs`'s fields in order."""
-
-
-def check_aligned_quantization(recipe: str) -> None:
-    """Raise ValueError unless ``recipe`` names an ``ais_lightning.quant`` quantization recipe."""
-    from ais_lightning.quant.recipes import RECIPES
-
-    if recipe not in RECIPES:
-        raise ValueError(
-            f"aligned_quantization={recipe!r} is not a quantization recipe (QaRL's aligned forward needs a "
-            f"quantized rollout precision); known recipes: {sorted(RECIPES)}"
-        )
-
-
-def check_aligned_schedule(
-    stages: Any, aligned_quantization: str | None = None
-) -> tuple[tuple[int, str], ...]:
-    """Validate a progressive aligned-quantization schedule; returns it as ``((start, recipe), ...)``.
-
-    ``stages``: ``[[0, "int8_nested"], [N1, "int4"], [N2, "int2"]]`` (pairs as lists or tuples; Hydra's
-    ``ListConfig`` works): recipe ``r`` runs from rollout step ``start`` to the next stage's start; starts
-    are ints strictly increasing from 0; every recipe names an ``ais_lightning.quant`` recipe.
-    ``aligned_quantization``, when given, must be the first stage's recipe (the forward before any step).
-    """
-    from ais_lightning.quant import RECIPES, PrecisionSchedule, get_recipe
-
-    if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__") or len(stages) == 0:
-        raise ValueError(
-            f"aligned_schedule must be a non-empty list of [start_step, recipe] pairs, got {stages!r}"
-        )
-    pairs = []
-    for i, stage in enumerate(stages):
-        if isinstance(stage, (str, bytes)) or not hasattr(stage, "__len__") or len(stage) != 2:
-            raise ValueError(f"aligned_schedule[{i}] must be a [start_step, recipe] pair, got {stage!r}")
-        start, recipe = stage[0], stage[1]
-        if not isinstance(recipe, str) or recipe not in RECIPES:
-            raise ValueError(
-                f"aligned_schedule[{i}] recipe {recipe!r} is not a quantization recipe; known: {sorted(RECIPES)}"
-            )
-        pairs.append((start, recipe))
-    try:
-        PrecisionSchedule(pairs)  # start steps: ints >= 0, strictly increasing, the first at 0
-    except ValueError as err:
-        raise ValueError(f"aligned_schedule: {err}") from err
-    if aligned_quantization is not None:
-        check_aligned_quantization(aligned_quantization)
-        if get_recipe(aligned_quantization) != get_recipe(pairs[0][1]):
-            raise ValueError(
-                f"aligned_quantization={aligned_quantization!r} contradicts aligned_schedule, whose first stage "
-                f"runs {pairs[0][1]!r}: the aligned forward starts at the first stage's recipe (with "
-                "corrector=qarl, aligned_quantization follows rollout.precision: set the rollout to the first "
-                "stage's precision)"
-            )
-    return tuple(pairs)
-
-
-def _check_ids_and_mask(ids: torch.Tensor, mask: torch.Tensor, name: str) -> None:
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
-        raise ValueError(f"{name}_ids must be a [B, L] long tensor, got {getattr(ids, 'dtype', type(ids))}")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise ValueError(f"{name}_mask must be a bool tensor (True = real token)")
-    if mask.shape != ids.shape:
-        raise ValueError(
-            f"{name}_mask has shape {tuple(mask.shape)} but {name}_ids has shape {tuple(ids.shape)}"
-        )
-
-
-def build_sequences(
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate left-padded prompts and right-padded responses into model inputs.
-
-    prompt_ids/prompt_mask: ``[B, P]`` (True on real tokens, padding on the left, at least one real token);
-    response_ids/response_mask: ``[B, T]`` (True on valid response tokens).
-    Returns ``input_ids`` ``[B, P+T]`` long, ``attention_mask`` ``[B, P+T]`` long (1 = attend, the Hugging Face
-    convention) and ``position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)`` ``[B, P+T]``.
-    """
-    _check_ids_and_mask(prompt_ids, prompt_mask, "prompt")
-    _check_ids_and_mask(response_ids, response_mask, "response")
-    if prompt_ids.shape[0] != response_ids.shape[0]:
-        raise ValueError(
-            f"prompt_ids has batch size {prompt_ids.shape[0]} but response_ids has {response_ids.shape[0]}"
-        )
-    if prompt_ids.shape[1] == 0 or not bool(prompt_mask[:, -1].all()):
-        raise ValueError(
-            "prompt_mask must be left-padded with a real last token in every row (prompt_mask[:, -1])"
-        )
-    if not bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()):
-        raise ValueError("prompt_mask must be left-padded: False* then True+ in every row")
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+T]
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # [B, P+T]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
-    return input_ids, attention_mask, position_ids
-
-
-def _head_logprobs(
-    lm_head: nn.Module,
-    transform: LogitTransform,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    compute_entropy: bool,
-    entropy_grad: bool = True,
-    head_float32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The model's head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] ->
-    log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``). ``head_float32``: the
-    head's projection in fp32 (:func:`ais_lightning.models.head.head_logits`).
-
-    The impurities are values only, and so are the entropies without ``entropy_grad``: autograd records
-    only what a loss differentiates. A checkpointed chunk recomputes in backward every tensor its forward
-    recorded, and the ones no backward consumes (the entropy's, ~5 ``[n, V]`` when the loss has no entropy
-    term) stay alive until the whole backward ends, chunk after chunk: the head's memory would grow with the
-    batch instead of being bounded by the chunk.
-    """
-    logits = transform(head_logits(lm_head, hidden, head_float32))  # [n, V]
-    logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
-    if not compute_entropy:
-        return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        logp = tempered_log_softmax(logits, temperature)  # [n, V], once for both
-        entropy = entropy_from_logprobs(logp)
-    with torch.no_grad():
-        impurity = impurity_from_logprobs(logp)
-    return logprobs, entropy, impurity
-
-
-def chunked_response_logprobs(
-    lm_head: nn.Module,
-    hidden: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    chunk_size: int = 1024,
-    transform: LogitTransform | None = None,
-    entropy_grad: bool = True,
-    head_float32: bool = False,
-) -> ResponseLogprobs:
-    """Log-probs (and entropies) of response tokens from the decoder's final hidden states.
-
-    ``hidden`` ``[B, T, H]`` is the hidden state that *predicts* each response token (position ``P-1+t``).
-    ``transform``: what the model's forward does to ``lm_head``'s logits
-    (:func:`ais_lightning.models.head.logit_transform`; None = nothing). ``head_float32``: ``lm_head``'s
-    projection computed in fp32 from the model-dtype hidden states and weights (``Policy(head_dtype="float32")``).
-    Only valid tokens are projected, ``chunk_size`` of them at a time; under autograd each chunk is
-    activation-checkpointed, so only one chunk's ``[chunk_size, V]`` logits and what is computed from them
-    are alive at a time, in forward *and* backward (the memory bound of chunked cross-entropy, e.g.
-    Liger-Kernel's fused linear CE). The impurities never carry a gradient, the entropies only with
-    ``entropy_grad`` (False: values for metrics and correctors), so backward recomputes only what it
-    differentiates: with entropy gradients that no loss consumes, every chunk's entropy tensors would stay
-    alive to the end of backward (2.8 GB for 2048 tokens of a 49k vocabulary, instead of 1.0 GB).
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    flat_hidden = hidden[response_mask]  # [N, H]
-    flat_tokens = response_ids[response_mask]  # [N]
-    use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
-    transform = transform if transform is not None else LogitTransform()
-    chunks: list[
-        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    ] = []  # (log-prob, entropy, impurity) [n] each
-    for h, tok in zip(flat_hidden.split(chunk_size), flat_tokens.split(chunk_size)):
-        if use_checkpoint:
-            chunks.append(
-                checkpoint(
-                    _head_logprobs,
-                    lm_head,
-                    transform,
-                    h,
-                    tok,
-                    temperature,
-                    compute_entropy,
-                    entropy_grad,
-                    head_float32,
-                    use_reentrant=False,
-                )
-            )
-        else:
-            chunks.append(
-                _head_logprobs(
-                    lm_head, transform, h, tok, temperature, compute_entropy, entropy_grad, head_float32
-                )
-            )
-    zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
-    columns = list(zip(*chunks)) if compute_entropy else [[c[0] for c in chunks]]  # the ones computed
-    per_token = [zeros.masked_scatter(response_mask, torch.cat(parts)) for parts in columns]  # [B, T] each
-    return ResponseLogprobs(*per_token) if compute_entropy else ResponseLogprobs(per_token[0], entropy=None)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def _clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def _cpu_tensors(
-    named: Iterable[tuple[str, torch.Tensor]], snapshot: bool = True
-) -> list[tuple[str, torch.Tensor]]:
-    """``named`` with every tensor detached and on the CPU, each distinct tensor copied once.
-
-    ``snapshot``: CPU tensors are cloned (they never alias the originals); False: a CPU tensor is passed as
-    is (no copy; only for a consumer that copies it at once). Names sharing one tensor (a tied
-    ``lm_head.weight`` and ``embed_tokens.weight``) share one copy, as the originals share one storage.
-    """
-    copies: dict[tuple[Any, ...], torch.Tensor] = {}
-    out = []
-    for name, t in named:
-        t = t.detach()
-        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
-        if key not in copies:
-            on_cpu = t.device.type == "cpu"
-            copies[key] = t.cpu() if not on_cpu else (t.clone() if snapshot else t)
-        out.append((name, copies[key]))
-    return out
-
-
-def _fsdp1_modules(module: nn.Module) -> list[nn.Module]:
-    """The FSDP1 (``FullyShardedDataParallel``) instances in ``module``'s tree."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return []
-    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-
-
-def _prefix_in(root: nn.Module, module: nn.Module) -> str | None:
-    """The state-dict prefix of ``module`` inside ``root`` (wrapper names removed, ``""`` for the root
-    itself, with a trailing dot otherwise), or None when ``module`` is not in ``root``'s tree."""
-    for name, sub in root.named_modules():
-        if sub is module:
-            name = _clean_name(name + ".") if name else ""
-            return name
-    return None
-
-
-def _is_fsdp_module(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(module, FSDPModule)
-
-
-def _decoder_logprobs(
-    model: nn.Module,
-    transform: LogitTransform,
-    head_float32: bool,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    temperature: float,
-    compute_entropy: bool,
-    chunk_size: int,
-    entropy_grad: bool = True,
-) -> LogprobTensors:
-    """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
-    P = input_ids.shape[1] - response_ids.shape[1]
-    hidden = decoder_hidden_states(model, input_ids, attention_mask, position_ids)  # [B, P+T, H]
-    result = chunked_response_logprobs(
-        model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
-        temperature, compute_entropy, chunk_size, transform, entropy_grad, head_float32,
-    )  # fmt: skip
-    return result.logprobs, result.entropy, result.impurity
 
 
 class Policy(nn.Module):
@@ -396,16 +120,8 @@ class Policy(nn.Module):
     ) -> None:
         super().__init__()
         head_float32 = check_head_dtype(head_dtype)
-        if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-            raise ValueError(
-                f"model must be a Hugging Face causal LM with an output embedding, got {type(model)}"
-            )
-        if (
-            isinstance(logprob_chunk_size, bool)
-            or not isinstance(logprob_chunk_size, int)
-            or logprob_chunk_size < 1
-        ):
-            raise ValueError(f"logprob_chunk_size must be an int >= 1, got {logprob_chunk_size!r}")
+        check_causal_lm(model)
+        check_chunk_size(logprob_chunk_size)
         self.model = model.train()  # Hugging Face's from_pretrained returns eval mode; Lightning keeps modes
         if disable_dropout:
             disable_dropout_in(model)
@@ -417,13 +133,8 @@ class Policy(nn.Module):
         if gradient_checkpointing:  # a recomputed layer routes as its forward did
             replay = self.routing_replay
             enable_activation_checkpointing(model, replay.checkpoint_contexts if replay is not None else None)
-        if head_float32 and not isinstance(
-            getattr(model.get_output_embeddings(), "weight", None), torch.Tensor
-        ):
-            raise ValueError(
-                f"head_dtype='float32' needs a linear output layer with a weight, got "
-                f"{type(model.get_output_embeddings()).__name__}"
-            )
+        if head_float32:
+            check_float32_head(model)
         self.head_dtype = head_dtype
         """The precision of ``lm_head``'s projection (:data:`ais_lightning.models.head.HEAD_DTYPES`)."""
         self.head_float32 = head_float32
@@ -439,11 +150,7 @@ class Policy(nn.Module):
         """Prompts are one user message in the tokenizer's chat template (:meth:`encode_prompts`)."""
         self.logprob_chunk_size = logprob_chunk_size
         """Response positions per chunk in :meth:`batch_logprobs`: bounds the ``[chunk, V]`` logits memory."""
-        if aligned_quantization is not None:
-            check_aligned_quantization(aligned_quantization)
-        if aligned_schedule is not None:
-            aligned_schedule = check_aligned_schedule(aligned_schedule, aligned_quantization)
-            aligned_quantization = aligned_schedule[0][1]
+        aligned_quantization, aligned_schedule = aligned_options(aligned_quantization, aligned_schedule)
         self.aligned_quantization = aligned_quantization
         """QaRL's rollout-aligned forward: the ``ais_lightning.quant`` recipe the trainer's linears run through
         once :meth:`apply_aligned_quantization` is called (None = plain high-precision forward). With a
@@ -451,54 +158,16 @@ class Policy(nn.Module):
         self.aligned_schedule: tuple[tuple[int, str], ...] | None = aligned_schedule
         """Progressive precision (Bit-by-Bit, arXiv 2604.07888): ``((start_rollout_step, recipe), ...)``, the
         aligned forward's recipe by stage (:meth:`set_aligned_step` moves to a step's stage); None = one recipe."""
-        self.router_replay = self._check_router_replay(model, router_replay)
+        self.router_replay = check_router_replay(model, router_replay)
         """Rollout routing replay (R3): the forward routes each token through the experts the engine picked
         (``RolloutBatch.routing``), with gate weights from the trainer's own router (:mod:`ais_lightning.models.routing`)."""
 
     @staticmethod
-    def _check_router_replay(model: nn.Module, router_replay: bool) -> bool:
-        """``router_replay`` checked against the model (ValueError naming ``router_replay`` otherwise): a
-        mixture-of-experts model whose routers' gate weights :func:`replay_gate_weights` reproduces."""
-        if not isinstance(router_replay, bool):
-            raise ValueError(f"router_replay must be true or false, got {router_replay!r}")
-        if not router_replay:
-            return False
-        routers = moe_routers(model)
-        if not routers:
-            raise ValueError(
-                f"router_replay=true replays a mixture-of-experts model's routing, but {type(model).__name__} has "
-                "no top-k routers"
-            )
-        for router in routers:
-            if gate_normalization(router) is None:
-                raise ValueError(
-                    f"router_replay=true: {type(router).__name__}'s gate weights are not softmax(logits) at its top-k "
-                    "(renormalized or not), which replay recomputes; this router (sigmoid or grouped routing) is not "
-                    "supported"
-                )
-        return True
-
-    @staticmethod
     def _checked_logit_transform(model: nn.Module) -> LogitTransform:
-        """The model's logit transform, checked on a short probe against the model's own forward.
-
-        The policy computes logits as ``transform(lm_head(decoder(x)))`` in chunks, never through
-        ``model.forward``; a family whose forward does something else to its logits would be scored under
-        the wrong distribution, so it is refused here. Skipped for a model on the meta device or sharded.
-        """
-        transform = logit_transform(model.config)
-        mismatch = head_mismatch(model, transform)
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        tolerance = HEAD_TOLERANCE.get(dtype, HEAD_TOLERANCE[None])
-        if mismatch is not None and not mismatch <= tolerance:
-            raise ValueError(
-                f"{type(model).__name__}'s forward computes its logits differently from lm_head(decoder(x)) "
-                f"followed by {transform} (relative difference {mismatch:.3g} > {tolerance:g} on a 4-token probe), "
-                "so Policy would score responses under the wrong distribution. The logit transforms it knows are "
-                "in ais_lightning.models.head.logit_transform (Granite's logits_scaling, Cohere's logit_scale, "
-                "Gemma 2/3's final_logit_softcapping)"
-            )
-        return transform
+        """The model's logit transform, checked on a short probe against its own forward
+        (:func:`ais_lightning.policy.model_checks.checked_logit_transform`); a subclass scoring another way
+        overrides it."""
+        return checked_logit_transform(model)
 
     def apply_aligned_quantization(self) -> bool:
         """QaRL (arXiv 2604.07853): run the trainer's linears through the rollout's quantization recipe.
@@ -507,27 +176,15 @@ class Policy(nn.Module):
         state-dict names are unchanged, so weight sync and checkpoints work as before. Call it after any
         warm start (which trains the plain forward); idempotent. Returns whether the forward is aligned.
         """
-        if self.aligned_quantization is None:
-            return False
-        from ais_lightning.quant import QuantLinear, get_recipe, quantize_model
-
-        if not any(isinstance(m, QuantLinear) for m in self.model.modules()):
-            quantize_model(self.model, get_recipe(self.aligned_quantization), backend="emulate")
-        return True
+        return quantize_aligned(self.model, self.aligned_quantization)
 
     def aligned_stage_at(self, step: int) -> int:
         """Index of the :attr:`aligned_schedule` stage active at rollout step ``step`` (0 without a schedule)."""
-        if self.aligned_schedule is None:
-            return 0
-        from ais_lightning.quant import PrecisionSchedule
-
-        return PrecisionSchedule(self.aligned_schedule).stage_at(step)
+        return schedule_stage(self.aligned_schedule, step)
 
     def aligned_recipe_at(self, step: int) -> str | None:
         """The recipe name the aligned forward runs at rollout step ``step`` (None: no aligned forward)."""
-        if self.aligned_schedule is None:
-            return self.aligned_quantization
-        return self.aligned_schedule[self.aligned_stage_at(step)][1]
+        return schedule_recipe(self.aligned_quantization, self.aligned_schedule, step)
 
     def set_aligned_step(self, step: int) -> str | None:
         """Move the aligned forward to the recipe of rollout step ``step``; returns that recipe's name.
@@ -540,12 +197,8 @@ class Policy(nn.Module):
         recipe = self.aligned_recipe_at(step)
         if recipe is None:
             return None
-        from ais_lightning.quant import QuantLinear, get_recipe, switch_recipe
-
         self.apply_aligned_quantization()
-        target = get_recipe(recipe)
-        if any(m.recipe != target for m in self.model.modules() if isinstance(m, QuantLinear)):
-            switch_recipe(self.model, target, backend="emulate")
+        switch_aligned(self.model, recipe)
         return recipe
 
     @classmethod
@@ -568,14 +221,7 @@ class Policy(nn.Module):
         transformers pick (as ``AutoModelForCausalLM`` does for the engines); the in-memory tiny model uses
         ``"eager"``. ``tokenizer``, ``logprob_chunk_size``, ``aligned_quantization``, ``aligned_schedule``,
         ``disable_dropout``, ``gradient_checkpointing``, ``chat_template``, ``head_dtype``: as in the constructor."""
-        from transformers import AutoModelForCausalLM
-
-        path = os.fspath(path)
-        if not os.path.isdir(path):
-            raise ValueError(f"path must be a local model directory, got {path!r}")
-        if attn_implementation is not None:
-            model_kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
+        model = load_causal_lm(path, dtype, attn_implementation, **model_kwargs)
         return cls(
             model,
             tokenizer=tokenizer,
@@ -617,13 +263,7 @@ class Policy(nn.Module):
         Its weights are freshly initialized: load the real ones with :func:`load_named_tensors` (or an
         engine's ``sync_weights``) from :meth:`full_state_dict`. Works while ``self.model`` is sharded.
         """
-        from transformers import AutoModelForCausalLM
-
-        config = copy.deepcopy(self.model.config)
-        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        return AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=config._attn_implementation
-        )
+        return fresh_causal_lm(self.model)
 
     def _logprobs_fn(self) -> Callable[..., LogprobTensors]:
         """The decoder + chunked-head computation, registered as an FSDP2 forward method of ``self.model``
@@ -631,8 +271,8 @@ class Policy(nn.Module):
         fn = getattr(self.model, _FSDP_FORWARD_METHOD, None)
         if fn is not None:
             return fn
-        fn = functools.partial(_decoder_logprobs, self.model, self.logit_transform, self.head_float32)
-        if _is_fsdp_module(self.model):
+        fn = functools.partial(decoder_logprobs, self.model, self.logit_transform, self.head_float32)
+        if is_fsdp_module(self.model):
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             setattr(self.model, _FSDP_FORWARD_METHOD, fn)
@@ -749,104 +389,13 @@ class Policy(nn.Module):
     def full_state_dict(
         self, rank0_only: bool = False, fsdp_root: nn.Module | None = None, snapshot: bool = True
     ) -> list[tuple[str, torch.Tensor]]:
-        """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``.
+        """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``, for
+        an engine's ``sync_weights`` (:func:`ais_lightning.policy.gather.full_state_dict`).
 
-        Includes everything ``model.state_dict()`` holds (``lm_head.weight`` beside a tied
-        ``model.embed_tokens.weight``) plus the non-persistent buffers it leaves out (rotary ``inv_freq``,
-        verl #5688), so an engine's copy of the model can be made identical with :func:`load_named_tensors`.
-        Sharded models are gathered with ``torch.distributed.checkpoint.state_dict.get_model_state_dict``;
-        it is a collective, so call it on every rank. With ``rank0_only`` (``cpu_offload=True`` there: lower
-        peak device memory) only rank 0 gets the tensors and other ranks get ``[]``; by default every rank
-        gets them. The tensors are snapshots: they never alias the live parameters. ``snapshot=False`` skips
-        that copy for tensors already on the CPU (an unsharded CPU model's are then its live parameters and
-        buffers, detached): for a consumer that copies them at once, as every engine's ``sync_weights`` does.
-        Names that share a tensor (a tied ``lm_head.weight``) share one copy.
-
-        FSDP2 (``fully_shard``, DTensor parameters) needs nothing more. FSDP1 (``FullyShardedDataParallel``
-        units inside the model, e.g. Lightning's ``FSDPStrategy`` auto-wrapping the decoder layers) needs
-        ``fsdp_root``: the outermost FSDP1 module around this policy (Lightning: ``trainer.strategy.model``).
-        The state dict is then taken from the root and cut down to this policy's model. Calling
-        ``state_dict()`` on the inner model instead lazily initialises every wrapped layer as an FSDP root
-        (its state-dict pre-hook runs ``_lazy_init``), which makes the real root's first forward fail
-        FSDP's "Non-root FSDP instance's `_is_root` should not have been set" assertion (torch
-        ``distributed/fsdp/_runtime_utils.py``), and with several ranks returns the root-owned embedding,
-        norm and head as flat 1-D shards. Without ``fsdp_root`` an FSDP1 model raises ValueError.
-
-        Callable inside ``torch.inference_mode`` (Lightning validates under it unless the process group is gloo
-        or the strategy FSDP1, and GRPO syncs its engines at validation start): the gather runs outside it, under
-        ``no_grad``, and returns normal tensors. Gathering FSDP2 DTensors inside it fails in
-        ``get_model_state_dict`` ("Cannot set version_counter for inference tensor").
+        Sharded models are gathered (a collective: call it on every rank); FSDP1 needs ``fsdp_root``, the
+        outermost FSDP1 module around this policy (Lightning: ``trainer.strategy.model``). With ``rank0_only``
+        only rank 0 gets the tensors. The tensors never alias the live parameters unless ``snapshot=False``
+        (CPU tensors then passed as they are, for a consumer that copies them at once). Callable inside
+        ``torch.inference_mode``.
         """
-        with torch.inference_mode(False), torch.no_grad():
-            return self._full_state_dict(rank0_only, fsdp_root, snapshot)
-
-    def _full_state_dict(
-        self, rank0_only: bool, fsdp_root: nn.Module | None, snapshot: bool
-    ) -> list[tuple[str, torch.Tensor]]:
-        model = self.model
-        if _fsdp1_modules(model):
-            state = self._fsdp1_state_dict(fsdp_root, rank0_only)
-            if rank0_only and not state:
-                return []
-        elif any(_is_dtensor(t) for t in model.parameters()):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-            state = get_model_state_dict(model, options=options)
-            if rank0_only and not state:
-                return []
-        else:
-            state = model.state_dict()
-        named = list(state.items())
-        seen = set(state)
-        for name, buf in model.named_buffers():
-            name = _clean_name(name)
-            if name not in seen:
-                named.append((name, buf))
-                seen.add(name)
-        return _cpu_tensors(named, snapshot)
-
-    def _fsdp1_state_dict(self, fsdp_root: nn.Module | None, rank0_only: bool) -> dict[str, torch.Tensor]:
-        """The full state dict of ``self.model`` taken from its FSDP1 root (see :meth:`full_state_dict`)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if fsdp_root is None:
-            raise ValueError(
-                "fsdp_root is required: policy.model is sharded by FSDP1 (FullyShardedDataParallel); pass the "
-                "outermost FSDP module around the policy (Lightning: trainer.strategy.model). Calling "
-                "state_dict() on the inner model would initialise each wrapped layer as an FSDP root and "
-                "break the real root's first forward"
-            )
-        prefix = _prefix_in(fsdp_root, self.model)
-        if prefix is None or not _fsdp1_modules(fsdp_root) or fsdp_root is not _fsdp1_modules(fsdp_root)[0]:
-            raise ValueError(
-                f"fsdp_root must be the outermost FullyShardedDataParallel module containing policy.model, got "
-                f"{type(fsdp_root).__name__}"
-            )
-        # FSDP1 under get_model_state_dict: FULL_STATE_DICT, offload_to_cpu = rank0_only = cpu_offload
-        # (torch distributed/checkpoint/state_dict.py, _verify_options).
-        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-        full = get_model_state_dict(fsdp_root, options=options)
-        return {
-            _clean_name(k)[len(prefix) :]: v for k, v in full.items() if _clean_name(k).startswith(prefix)
-        }
-
-
-@torch.no_grad()
-def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy ``(name, tensor)`` pairs (e.g. from :meth:`Policy.full_state_dict`) into ``model`` in place.
-
-    Covers parameters, persistent and non-persistent buffers (which ``load_state_dict`` skips).
-    Raises ValueError on an unknown name or a shape mismatch; values are cast to the target's dtype.
-    """
-    targets = {_clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
-    targets.update({_clean_name(n): b for n, b in model.named_buffers(remove_duplicate=False)})
-    for name, value in named_tensors:
-        if name not in targets:
-            raise ValueError(f"named_tensors has {name!r}, which is not a parameter or buffer of the model")
-        target = targets[name]
-        if target.shape != value.shape:
-            raise ValueError(
-                f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}"
-            )
-        target.copy_(value.to(device=target.device, dtype=target.dtype))
+        return full_state_dict(self.model, rank0_only, fsdp_root, snapshot)

@@ -103,6 +103,30 @@ def test_one_step_updates_the_policy_and_syncs_the_engine():
             torch.testing.assert_close(engine_state[name], value)
 
 
+class TwoCalls(GRPOModule):
+    """GRPOModule recording the two halves of its rollout step."""
+
+    def generate_rollouts(self, prompts, *args, **kwargs):
+        self.generated = super().generate_rollouts(prompts, *args, **kwargs)
+        self.steps_seen = [*getattr(self, "steps_seen", []), ("generate", len(prompts))]
+        return self.generated
+
+    def build_experience(self, batch, prompts, fields, keep_graph=False):
+        self.steps_seen.append(("build", batch is self.generated))
+        return super().build_experience(batch, prompts, fields, keep_graph)
+
+
+def test_a_rollout_step_is_generation_then_experience_building():
+    """``collect_experience`` = ``generate_rollouts`` (the engine's batch, ``group_size`` rows per prompt) then
+    ``build_experience`` on that very batch; the stats time the generation."""
+    module = _module(cls=TwoCalls)
+    trainer = _fit(module)
+    assert module.steps_seen == [("generate", 3), ("build", True)]
+    assert module.generated.response_ids.shape[0] == 3 * module.settings.group_size
+    assert trainer.callback_metrics["time/rollout_s"] > 0
+    assert trainer.callback_metrics["throughput/rollout_tokens_per_s"] > 0
+
+
 def test_logged_lambda_diagnostic_is_the_lambda_ais_uses():
     """mismatch/ais_lambda sees the corrector's advantages and entropy, so on the same batch it
     equals the AIS corrector's own lambda (no EMA); without the entropy it would assume H = 1."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import ais_lightning.policy.policy as policy_module
+import ais_lightning.policy.scoring as scoring_module
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.policy import Policy, chunked_response_logprobs, load_named_tensors
 
@@ -70,7 +70,7 @@ def test_backward_keeps_no_entropy_tensors_of_finished_chunks(monkeypatch, entro
     """Each checkpointed chunk recomputes in backward what its forward recorded. Entropy tensors recorded for
     a loss that never differentiates them are recomputed, never consumed, and stay alive until the whole
     backward ends: one ``[chunk, V]`` log-softmax per chunk. Values-only entropies leave none."""
-    real = policy_module.tempered_log_softmax
+    real = scoring_module.tempered_log_softmax
     made: list[StorageWeakRef] = []  # checkpoint keeps recomputed tensors as detached aliases: watch storages
     in_backward = []
 
@@ -80,7 +80,7 @@ def test_backward_keeps_no_entropy_tensors_of_finished_chunks(monkeypatch, entro
             made.append(StorageWeakRef(out.untyped_storage()))
         return out
 
-    monkeypatch.setattr(policy_module, "tempered_log_softmax", recording)
+    monkeypatch.setattr(scoring_module, "tempered_log_softmax", recording)
     head, hidden, tokens, mask = _head_inputs()
     hidden.requires_grad_(True)
     out = chunked_response_logprobs(

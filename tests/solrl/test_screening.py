@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from ais_lightning.rollout.screening import keep_candidates, select_candidates
+from ais_lightning.modules.solrl_screening import keep_candidates, select_candidates
 
 # 3 prompts x 8 candidates: a binary prompt with 2 of 8 right, an all-right prompt, a graded one.
 REWARDS = torch.tensor(

@@ -47,9 +47,9 @@ class NoNoiseEngine(RolloutEngine):
         return self.engine.generate(prompts, sampling)
 
 
-def _module(precision="fp32", task=None, engine_factory=None, **settings) -> SolRLModule:
+def _module(precision="fp32", task=None, engine_factory=None, cls=SolRLModule, **settings) -> SolRLModule:
     defaults = dict(group_size=4, screen_group_size=8, max_new_tokens=6, lr=1e-3)
-    return SolRLModule(
+    return cls(
         policy=Policy(build_tiny_qwen3(seed=0), build_char_tokenizer()),
         task=task or MostlyOdd(digits=1),
         corrector=NoCorrection(),
@@ -143,6 +143,32 @@ def test_equal_precision_screening_trains_on_exactly_the_screened_tokens():
     (entry,) = module.history
     assert entry["reward"] == pytest.approx(m["reward/mean"]), "the history's reward is the screened mean"
     assert entry["token_agreement"] == 1.0 and entry["informative_frac"] == 1.0
+
+
+class Recording(SolRLModule):
+    """SolRLModule recording the engines in place and the batch each half of its rollout step sees."""
+
+    def generate_rollouts(self, prompts, *args, **kwargs):
+        batch = super().generate_rollouts(prompts, *args, **kwargs)
+        self.seen = [*getattr(self, "seen", []), ("generate", self.engine, batch.response_ids.shape[0])]
+        return batch
+
+    def build_experience(self, batch, prompts, fields, keep_graph=False):
+        self.seen.append(("build", self.engine, batch.response_ids.shape[0]))
+        return super().build_experience(batch, prompts, fields, keep_graph)
+
+
+def test_screening_and_experience_are_two_calls_with_the_engine_in_place():
+    """The cheap engine screens through ``generate_rollouts`` (K per prompt), the regenerated rows go to
+    ``build_experience`` directly: the rollout engine is never swapped, and each history entry carries the
+    screening figures (``HISTORY_STATS``)."""
+    module = _module("fp32", cls=Recording)
+    _fit(module)
+    engine = module.engine
+    assert module.seen == [("generate", engine, 3 * 8), ("build", engine, 3 * 4)]
+    (entry,) = module.history
+    assert set(SolRLModule.HISTORY_STATS) <= set(entry)
+    assert entry["reward_trained"] == pytest.approx(0.5) and entry["identical_frac"] == 1.0
 
 
 def test_fp4_screening_reports_its_agreement_and_still_trains_on_policy():

@@ -5,13 +5,14 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
+import ais_lightning.warmstart.settings as settings_module
 from ais_lightning.warmstart import WarmStartSettings
 
 
 def test_defaults_are_valid_and_every_field_is_documented():
     settings = WarmStartSettings()
     assert settings.target_band is None and settings.num_threads == 1 and settings.enabled
-    source = open(WarmStartSettings.__module__.replace(".", "/") + ".py").read()
+    source = open(settings_module.__file__).read()
     for f in dataclasses.fields(WarmStartSettings):  # litgpt style: a docstring right after each field
         assert f"    {f.name}: " in source
         after = source.split(f"    {f.name}: ", 1)[1].split("\n", 2)[1]

@@ -1,0 +1,156 @@
+"""GRPO's loop settings: sampling, advantages, the update schedule, the optimizer and validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ais_lightning.checks import check_int
+from ais_lightning.losses import ADVANTAGE_SCALES
+
+__all__ = ["GRPOSettings"]
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO's loop: sampling, advantages, the update schedule, the optimizer and validation.
+
+    The ``algorithm`` group of ``ais-train``; each default lives here only. The policy loss (clip range,
+    KL, entropy bonus, aggregation, decoupled/bypass) is its own component (``ais_lightning.losses``).
+    """
+
+    prompts_per_step: int = 16
+    """Prompts per rollout step (per rank)."""
+    group_size: int = 8
+    """Responses per prompt (the GRPO group); >= 2, since advantages are relative to the group."""
+    max_new_tokens: int | None = None
+    """Response length bound; None: the task's :meth:`~ais_lightning.tasks.Task.response_budget` (its longest
+    reference solution in characters, rounded up to a power of two: 8 for bare arithmetic, 64 in chat format)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0; the trainer's log-probs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; keep 1.0 with a corrector on (it renormalizes mu)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off); keep 0 with a corrector on."""
+    advantage_scale: str = "group"
+    """group | batch | none (Dr. GRPO): what the group-centred rewards are divided by."""
+    seq_logprob_error_threshold: float | None = None
+    """Drop a response whose mean exp(|log pi_old - log mu|) over its tokens exceeds this (NeMo-RL's option of
+    the same name, e.g. 1.5 or 2): before the advantages, so it leaves the loss and its group's baseline and
+    std (``losses.group_advantages(valid=...)``) and the corrector's batch. >= 1; None = off. The mismatch
+    metrics still see every response; ``train/dropped_by_logprob_error`` counts the dropped (this rank)."""
+    max_fp32_mult_prob_error: float | None = None
+    """Stop the run at its first rollout step when the trainer-precision (fp32) engine's
+    ``token_mult_prob_error`` against the policy exceeds this, measured on that step's prompts at the
+    training temperature (NeMo-RL's acceptance of a new model: <= 1.05). Needs the trainer-precision engine
+    (validation on and a rollout engine with an fp32 copy); >= 1; None = off."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (the rollout batch is split into this many mini-batches)."""
+    micro_batch_size: int | None = None
+    """Rows (responses) per forward and backward: each mini-batch's gradient is accumulated over micro-batches
+    of this many rows, each dividing its loss by the whole mini-batch's count (the loss's ``denominator``), so
+    the update is the mini-batch's, up to float rounding, at a fraction of the activation memory (TRL's
+    ``gradient_accumulation_steps``, verl's ``ppo_micro_batch_size``). None: the whole mini-batch at once."""
+    lr: float = 3e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2), each in [0, 1); AIS v2 reads beta1 (``corrector.momentum``) from here."""
+    grad_clip: float = 1.0
+    """Max gradient norm (0 = off)."""
+    val_every_n_steps: int = 50
+    """Validation period in rollout steps."""
+    val_size: int = 256
+    """Held-out prompts for greedy validation accuracy."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch (one greedy generation per engine each); None = ``prompts_per_step``.
+    Validation decodes one row per prompt, a rollout ``prompts_per_step * group_size`` rows: up to that many
+    prompts per batch fit in the rollout's memory and run a real model's decode GEMMs several times faster."""
+    max_bad_steps: int = 5
+    """Abort after this many consecutive rollout steps with non-finite log-probs, losses or gradients."""
+    constant_reward_steps: int = 10
+    """Log a WARNING (once) when every sample of this many consecutive rollout steps got the same reward (0:
+    the reward never fired): GRPO's advantages are then zero and nothing is learned, e.g. because the policy
+    does not answer in the task's format. 0 = no warning (the summary still reports a constant reward)."""
+    truncate_prompts: bool = False
+    """A prompt whose tokens plus ``max_new_tokens`` pass the policy model's context (``max_position_embeddings``)
+    is cut to its last tokens that fit (one WARNING says how many were cut). False: such a prompt is refused,
+    naming its length, ``max_new_tokens`` and the context (past it a model extrapolates its positions)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "ppo_epochs", "mini_batches", "val_every_n_steps"):
+            check_int(getattr(self, name), name)
+        if self.max_new_tokens is not None:
+            check_int(self.max_new_tokens, "max_new_tokens")
+        check_int(self.val_size, "val_size")
+        if self.val_batch_size is not None:
+            check_int(self.val_batch_size, "val_batch_size")
+        check_int(self.max_bad_steps, "max_bad_steps")
+        check_int(self.constant_reward_steps, "constant_reward_steps", minimum=0)
+        if not isinstance(self.truncate_prompts, bool):
+            raise ValueError(f"truncate_prompts must be true or false, got {self.truncate_prompts!r}")
+        check_int(self.group_size, "group_size", minimum=2)
+        check_int(self.top_k, "top_k", minimum=0)
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"temperature must be a finite number > 0 for RL (log-probs at T=0 are undefined), "
+                f"got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.advantage_scale not in ADVANTAGE_SCALES:
+            raise ValueError(
+                f"advantage_scale must be one of {list(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}"
+            )
+        for name in ("seq_logprob_error_threshold", "max_fp32_mult_prob_error"):
+            value = getattr(self, name)
+            if value is not None and not (
+                not isinstance(value, bool) and isinstance(value, (int, float)) and 1.0 <= value < math.inf
+            ):
+                raise ValueError(
+                    f"{name} must be a finite number >= 1 (exp|log pi - log mu| >= 1) or None, got {value!r}"
+                )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if (
+            len(self.betas) != 2
+            or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in self.betas)
+            or not all(0.0 <= b < 1.0 for b in self.betas)
+        ):
+            raise ValueError(
+                f"betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {self.betas!r}"
+            )
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}")
+        rows = self.prompts_per_step * self.group_size
+        if rows % self.mini_batches:
+            raise ValueError(
+                f"mini_batches={self.mini_batches} must divide prompts_per_step * group_size = {rows}"
+            )
+        if self.micro_batch_size is not None:
+            check_int(self.micro_batch_size, "micro_batch_size")
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps one rollout step takes (Lightning's ``global_step`` counts these)."""
+        return self.ppo_epochs * self.mini_batches
+
+    @staticmethod
+    def module_class() -> type:
+        """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments): here
+        ``GRPOModule``; an algorithm with a loop of its own (Sol-RL) returns its subclass."""
+        from ais_lightning.modules.grpo import GRPOModule  # the module imports these settings
+
+        return GRPOModule
+
+    def check_components(self, components: Any, cfg: Any = None) -> None:
+        """This algorithm's rules involving other config groups (``components``: ``ais_lightning.build.Components``;
+        ``cfg``: the composed config), run once by ``ais-train`` among the rules between groups
+        (``ais_lightning.rules``): ValueError naming the key. GRPO has none."""

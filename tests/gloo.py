@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from ais_lightning.mlflow_server import free_port
+from ais_lightning.toolkit.mlflow_server import free_port
 
 
 @contextmanager

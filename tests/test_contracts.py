@@ -55,7 +55,7 @@ def application_files() -> list[Path]:
     """The application's modules (``tests.test_layers.APPLICATION``) and the LightningModules (``modules/``)."""
     files = []
     for unit in sorted(APPLICATION | {"modules"}):
-        path = PACKAGE / unit
+        path = PACKAGE.joinpath(*unit.split("."))
         files += sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
     return files
 

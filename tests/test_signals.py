@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
-from ais_lightning.signals import SigtermGuard, any_rank
+from ais_lightning.app.signals import SigtermGuard, any_rank
 from tests.gloo import free_port, gloo_group
 
 

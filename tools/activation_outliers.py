@@ -2,7 +2,7 @@
 mismatch of quantizing one kind of layer at a time.
 
 The policy, the task and the engine come from the composed ``ais-train`` config, built as ``ais-train`` builds them
-(``ais_lightning.probes.compose``: the same overrides, e.g. ``policy=smollm2 task=arithmetic``, also accepted
+(``ais_lightning.toolkit.probes.compose``: the same overrides, e.g. ``policy=smollm2 task=arithmetic``, also accepted
 after ``--``). Sequences are sampled once by the run's engine at the trainer's precision (its fp32 copy, built as
 training builds it; the torch engine at fp32 for an engine without one) (``--prompts`` task prompts x
 ``--samples``, ``--temperature``, ``--max-new-tokens``); then:
@@ -101,15 +101,15 @@ def quantized_copy(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.measure import sampling_config
-    from ais_lightning.probes import (
+    from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.toolkit.measure import sampling_config
+    from ais_lightning.toolkit.probes import (
         add_overrides_argument,
         compose,
         fp32_engine,
         training_engine,
         write_json,
     )
-    from ais_lightning.tasks import PromptDataModule
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="int8", help="an ais_lightning.quant recipe")

@@ -18,7 +18,7 @@ SmolLM2-135M-Instruct, a real 134.5M-parameter Llama with a 49,152-token tied vo
 arithmetic questions (``"What is 12+34? Put the final answer in \\boxed{}."``) and 8 samples per prompt, at
 batches (= prompts x samples) 32 and 64. Sampling is at T = 1 with no stop token, so every row runs all
 ``new_tokens``. The model, the task and the rollout engines are built as ``ais-train`` builds them
-(``ais_lightning.probes.compose``): a config's policy is a list of ``ais-train`` overrides, the ``torch-<p>``
+(``ais_lightning.toolkit.probes.compose``): a config's policy is a list of ``ais-train`` overrides, the ``torch-<p>``
 engines are ``rollout.precision=<p> rollout.model_impl=lean`` of the torch engine (``torch_hf-<p>``:
 ``model_impl=transformers``), ``vllm-<p>`` is ``rollout=vllm_cpu`` at ``rollout.precision=<p>`` (and vLLM's own
 memory default), and more ``ais-train`` overrides given on the command line apply on top (e.g. ``policy=local
@@ -29,7 +29,7 @@ cached quantized weights, e.g. int8 codes; opaque fbgemm packed weights counted 
 master weights a quantized engine keeps for re-quantization included); ``build RSS MB`` = peak growth
 of the resident set size during the engine's construction (the copy, the cast or quantization and
 prepacking); ``run MB`` = peak RSS growth during the warm-up ``generate`` at that batch over the RSS before
-it (KV cache + activations). RSS is read from /proc/self/statm every 2 ms (``ais_lightning.measure.PeakRSS``)
+it (KV cache + activations). RSS is read from /proc/self/statm every 2 ms (``ais_lightning.toolkit.measure.PeakRSS``)
 and only grows when the allocator needs new pages, so in-process engines under-count memory reused from
 earlier ones. ``build s`` is the engine's construction (for a quantized precision: quantizing, and prepacking where the
 backend does). The JSON records each engine's settings (backend, outlier fraction, ...) and the commit measured
@@ -87,9 +87,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ais_lightning.measure import PeakRSS
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
 from ais_lightning.rollout.prompts import left_pad
+from ais_lightning.toolkit.measure import PeakRSS
 
 SDPA = "+policy.overrides.attn_implementation=sdpa"
 """The built-in Qwen3's attention through ``scaled_dot_product_attention`` (its default is ``eager``), as a
@@ -133,7 +133,7 @@ class BenchConfig:
     new_tokens: int
     """Tokens generated per row (no stop tokens: every row runs to the end)."""
     policy: tuple[str, ...]
-    """``ais-train`` overrides of the policy every engine is built from (``ais_lightning.probes.compose``)."""
+    """``ais-train`` overrides of the policy every engine is built from (``ais_lightning.toolkit.probes.compose``)."""
     samples: int = 1
     """Samples per prompt (``SamplingConfig.n``)."""
     task_prompts: bool = False
@@ -180,7 +180,7 @@ class Source:
 
 def load_source(cfg: BenchConfig, overrides: list[str] | tuple[str, ...] = ()) -> Source:
     """The fp32 policy of ``cfg`` (and ``overrides`` on top) as ``ais-train`` builds it (seed 0), and its task."""
-    from ais_lightning.probes import compose
+    from ais_lightning.toolkit.probes import compose
 
     source_overrides = [*cfg.policy, *overrides]
     _, c = compose(source_overrides)
@@ -375,7 +375,7 @@ def engine_factory(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Ca
     rollout overrides (:func:`engine_overrides`), validated as ``ais-train`` validates it; None for ``hf-*``."""
     if name.startswith("hf-"):
         return None
-    from ais_lightning.probes import compose
+    from ais_lightning.toolkit.probes import compose
 
     return compose([*overrides, *engine_overrides(name)])[1].engine
 
@@ -836,7 +836,7 @@ def profile_engines(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from ais_lightning.probes import add_overrides_argument
+    from ais_lightning.toolkit.probes import add_overrides_argument
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")

@@ -1,11 +1,11 @@
 """Warm-start the tiny Qwen3, then measure the rollout mismatch of every rollout precision (issue #18).
 
 The policy, the task, the warm start and the engines are built as ``ais-train`` builds them, from the config
-composed of the options below and any ``ais-train`` overrides (``ais_lightning.probes.compose``; the default:
+composed of the options below and any ``ais-train`` overrides (``ais_lightning.toolkit.probes.compose``; the default:
 the built-in tiny Qwen3 on ``task=arithmetic``).
 
 1. **Warm start.** ``ais-train``'s warm start of the policy (``Components.initial_policy``: the library's cached
-   ``ais_lightning.warmstart.warm_start`` of the built-in tiny Qwen3 initialised from ``--seed``): SFT on the task's
+   ``ais_lightning.app.warmstart.warm_start`` of the built-in tiny Qwen3 initialised from ``--seed``): SFT on the task's
    reference solutions until the greedy accuracy on held-out prompts is in ``--band`` (``warmstart.target_band``,
    the paper preset's [0.65, 0.75]) within ``--sft-steps`` steps, ``--threads`` intra-op threads, everything
    seeded by ``--seed``. ``--save DIR`` writes the warm start as a Hugging Face directory (``save_tiny_model``)
@@ -21,7 +21,7 @@ the built-in tiny Qwen3 on ``task=arithmetic``).
    tokens (``Policy.batch_logprobs``) and the mismatch ``MismatchKL("k3")`` (token mean, as logged in
    training) with its standard error over prompts (the tokens of one prompt are one cluster: ratio-
    estimator s.e., ``sqrt(P / (P - 1) * sum_p (s_p - KL n_p)^2) / sum_p n_p`` with ``s_p`` the prompt's
-   k3 sum over ``n_p`` tokens, ``ais_lightning.measure.clustered_kl``). Also ``k1``, the KL against QaRL's
+   k3 sum over ``n_p`` tokens, ``ais_lightning.toolkit.measure.clustered_kl``). Also ``k1``, the KL against QaRL's
    *aligned* trainer (the same weights under ``policy.aligned_quantization=<precision>``: the fp32 policy's
    forward run through the same recipe, what is left of the mismatch when the trainer emulates the engine),
    and the mean sampled reward.
@@ -57,7 +57,7 @@ def target_band(args: argparse.Namespace) -> list[float] | None:
 
 def config_overrides(args: argparse.Namespace) -> list[str]:
     """The ``ais-train`` overrides of the command line: the options' settings, then the user's overrides."""
-    from ais_lightning.probes import override
+    from ais_lightning.toolkit.probes import override
 
     run = [
         f"seed={args.seed}",
@@ -112,7 +112,9 @@ def warm_start(args: argparse.Namespace, cfg, c):
 
 def measure(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy accuracy and the mismatch of every rollout precision against the fp32 policy."""
-    from ais_lightning.measure import (
+    from ais_lightning.quant.recipes import RECIPES
+    from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.toolkit.measure import (
         clustered_kl,
         greedy_accuracy,
         mismatch,
@@ -120,9 +122,7 @@ def measure(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
         sampling_config,
         score_samples,
     )
-    from ais_lightning.probes import compose, engine_factory, policy_like
-    from ais_lightning.quant.recipes import RECIPES
-    from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.toolkit.probes import compose, engine_factory, policy_like
 
     samples = PromptDataModule(task, val_size=args.eval_prompts, seed=args.seed).val_samples()
     sampled = sampling_config(
@@ -179,7 +179,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ais_lightning.probes import add_overrides_argument
+    from ais_lightning.toolkit.probes import add_overrides_argument
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--digits", type=int, default=2, help="arithmetic task: digits per operand")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bitbybit_mismatch: --save and --load exclude each other", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    from ais_lightning.probes import compose, write_json
+    from ais_lightning.toolkit.probes import compose, write_json
 
     cfg, c = compose(config_overrides(args))
     policy, meta = warm_start(args, cfg, c)

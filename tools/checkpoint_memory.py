@@ -10,7 +10,7 @@ drawn from the vocabulary). Measured per setting:
   distinct storages of the tensors it saves, parameters excluded (a ``saved_tensors_hooks`` count:
   exact, and the same on every run);
 - ``peak MB``: the peak growth of the resident set size over the first forward + backward, in a fresh
-  process per setting (sampled every 2 ms, ``ais_lightning.measure.PeakRSS``; a process that has run the
+  process per setting (sampled every 2 ms, ``ais_lightning.toolkit.measure.PeakRSS``; a process that has run the
   other setting would reuse its pages): saved activations plus gradients, the recomputation's transient
   activations and allocator slack;
 - ``s``: wall time of forward + backward, and the paired ratio checkpointed / plain (per round, both
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ais_lightning.measure import PeakRSS
+from ais_lightning.toolkit.measure import PeakRSS
 
 CONFIGS = {"gemm": ["experiment=speed_gemm"], "tiny": ["experiment=smoke"]}
 """``ais-train`` overrides of each ``--config``: the ~105M GEMM-bound policy, or the 0.8M tiny one."""
@@ -44,7 +44,7 @@ SETTINGS = ("false", "true")
 
 def build_policy(config: str, checkpointing: str, extra: list[str]) -> tuple[Any, Any]:
     """The policy of the composed ``ais-train`` config (and the config's algorithm settings)."""
-    from ais_lightning.probes import compose
+    from ais_lightning.toolkit.probes import compose
 
     cfg, c = compose([*CONFIGS[config], f"policy.gradient_checkpointing={checkpointing}", *extra])
     return c.policy.build(cfg.seed), c.algorithm
@@ -103,7 +103,7 @@ def _policy_and_batch(config: str, setting: str, overrides: list[str]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from ais_lightning.probes import add_overrides_argument, write_json
+    from ais_lightning.toolkit.probes import add_overrides_argument, write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gemm")

@@ -3,7 +3,7 @@
 The policy (``policy=tiny_llada``, initialised from ``--seed``), the task and the engines (``rollout=llada_fp32``
 with ``rollout.precision``, ``rollout.remasking``, ``rollout.block_length`` and ``rollout.steps`` of each row) are
 built as ``ais-train`` builds them, from the config composed of the options below and any ``ais-train``
-overrides (``ais_lightning.probes.compose``, e.g. ``task=countdown`` or ``policy.mask_eps=0.01``).
+overrides (``ais_lightning.toolkit.probes.compose``, e.g. ``task=countdown`` or ``policy.mask_eps=0.01``).
 
 1. SFT (LLaDA's masked-token loss, ``DiffusionPolicy.sft_loss``) of the policy on the task (default: 2-digit
    addition) for ``--sft-steps`` AdamW steps (linear warm-up, cosine decay to 10 %, gradient-norm clip 1), or
@@ -14,7 +14,7 @@ overrides (``ais_lightning.probes.compose``, e.g. ``task=countdown`` or ``policy
    ``--temperature`` from ``DiffusionRolloutEngine``, their log mu, log pi from the fp32 policy on the
    engine's own path (``DiffusionPolicy.batch_logprobs``), and the mismatch KL (k3 and k1,
    ``ais_lightning.diagnostics.MismatchKL``; the s.e. of k3 over prompts, the tokens of one prompt one cluster:
-   ``ais_lightning.measure.clustered_kl``), the largest |log pi - log mu| and the sampled reward.
+   ``ais_lightning.toolkit.measure.clustered_kl``), the largest |log pi - log mu| and the sampled reward.
 
 Prints a markdown table (and ``--out`` JSON). Everything is seeded; ``--threads`` intra-op threads
 (default 1: the SFT is bit-reproducible for a fixed thread count). Example (the figures in
@@ -80,14 +80,14 @@ def config_overrides(args: argparse.Namespace) -> list[str]:
 
 def measure(policy, task, samples, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy accuracy, mismatch KL and sampled reward of every (remasking, precision) engine."""
-    from ais_lightning.measure import (
+    from ais_lightning.toolkit.measure import (
         greedy_accuracy,
         mismatch,
         sampled_reward,
         sampling_config,
         score_samples,
     )
-    from ais_lightning.probes import engine_factory, training_engine
+    from ais_lightning.toolkit.probes import engine_factory, training_engine
 
     sampled = sampling_config(
         policy.tokenizer, args.samples, args.temperature, args.max_new_tokens, args.seed
@@ -199,7 +199,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ais_lightning.probes import add_overrides_argument
+    from ais_lightning.toolkit.probes import add_overrides_argument
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="arithmetic")
@@ -233,8 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ais_lightning.probes import compose, write_json
     from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.toolkit.probes import compose, write_json
 
     cfg, c = compose(config_overrides(args))
     task, policy = c.task, c.policy.build(cfg.seed)

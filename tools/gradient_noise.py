@@ -6,7 +6,7 @@ default 1: the batch at its critical size; docs/ais.md section 6) and ``a = (1 �
 averaging of AdamW's first moment (``algorithm.betas[0]``, which ``corrector.momentum`` reads; with
 several optimizer steps per rollout batch, ``averaged_noise_factor(β1, ppo_epochs, mini_batches)``).
 This tool measures φ for a configuration: the real ``ais-train`` pipeline
-(``ais_lightning.build.validate`` of the composed config, its warm start, ``GRPOModule`` under a
+(``ais_lightning.app.build.validate`` of the composed config, its warm start, ``GRPOModule`` under a
 one-process Lightning Trainer) draws ``--batches`` rollout
 batches at the *same* weights (no optimizer step), and for every prompt group computes the gradient of
 its part of the GRPO loss at the first optimizer step of an update (π_θ = π_old, the corrector's
@@ -41,7 +41,7 @@ DEFAULT_OVERRIDES = ["experiment=paper_small", "rollout=fp4"]
 
 def _probe_class() -> type:
     from ais_lightning.modules.grpo import GRPOModule
-    from ais_lightning.probes import probe_experience
+    from ais_lightning.toolkit.probes import probe_experience
 
     class GradientProbe(GRPOModule):
         """GRPOModule whose training step records per-group gradients and leaves the weights as they are."""
@@ -84,7 +84,7 @@ def _probe_class() -> type:
 def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]:
     """φ and the quantities behind it for the composed config (``--batches`` rollout batches, fixed weights)."""
     from ais_lightning.diagnostics.gradient_noise import gradient_noise_scale
-    from ais_lightning.probes import run_probe
+    from ais_lightning.toolkit.probes import run_probe
 
     run = run_probe(overrides, batches, seed, _probe_class(), "gradient_noise")
     c, probe, warm = run.components, run.probe, run.warm
@@ -143,7 +143,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.probes import probe_main
+    from ais_lightning.toolkit.probes import probe_main
 
     description = __doc__.split("\n\n")[0]
     return probe_main(argv, description, DEFAULT_OVERRIDES, 8, measure, format_result)

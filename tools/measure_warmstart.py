@@ -14,7 +14,7 @@ behind the weights, all steps trained (back-offs included), the back-offs and th
         # trace mode: no stop, accuracy every 2 steps; prints how much it moves between evaluations
 
 The policy, the task and the warm-start settings are built as ``ais-train`` builds them, from the config composed
-of the options and any ``ais-train`` overrides given (``ais_lightning.probes.compose``; default the built-in tiny
+of the options and any ``ais-train`` overrides given (``ais_lightning.toolkit.probes.compose``; default the built-in tiny
 Qwen3 on 2-digit addition, ``task=arithmetic``), and the warm start is ``ais-train``'s (the library's
 ``warm_start``, as ``Components.initial_policy`` runs it, with the policy initialised from ``--init-seed``).
 Settings not given on the command line are the ``WarmStartSettings`` defaults, except the paper
@@ -45,7 +45,7 @@ RL_MAX_NEW_TOKENS = 8
 
 def config_overrides(args: argparse.Namespace) -> list[str]:
     """The ``ais-train`` overrides of a worker: the warm start's settings from the options, then the user's."""
-    from ais_lightning.probes import override
+    from ais_lightning.toolkit.probes import override
 
     settings = {k: v for k, v in vars(args).items() if k in SETTING_ARGS and v is not None}
     band = settings.pop("band", PAPER_BAND)
@@ -59,9 +59,9 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.run_threads)  # the run's setting, as ais-train's trainer.num_threads
-    from ais_lightning.probes import compose
+    from ais_lightning.app.warmstart import GreedyAccuracy, state_dict_sha256, warm_start
     from ais_lightning.tasks.datamodule import draw_sample
-    from ais_lightning.warmstart import GreedyAccuracy, state_dict_sha256, warm_start
+    from ais_lightning.toolkit.probes import compose
 
     _, c = compose(config_overrides(args))
     task, settings = c.task, c.warmstart
@@ -99,7 +99,7 @@ def trace(args: argparse.Namespace, policy, tokenizer, task, settings) -> dict:
 
     import torch
 
-    from ais_lightning.warmstart import WarmStartError, intra_op_threads, train_warm_start
+    from ais_lightning.app.warmstart import WarmStartError, intra_op_threads, train_warm_start
 
     settings = dataclasses.replace(settings, target_band=[1.0, 1.0], eval_every=args.trace_every)
     with intra_op_threads(settings.num_threads or torch.get_num_threads()):
@@ -135,7 +135,7 @@ SETTING_ARGS = ("band", "steps", "lr", "batch_size", "eval_every", "eval_size", 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ais_lightning.probes import add_overrides_argument, write_json
+    from ais_lightning.toolkit.probes import add_overrides_argument, write_json
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

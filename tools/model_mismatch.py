@@ -1,7 +1,7 @@
 """Rollout mismatch and greedy accuracy of every rollout precision on any ``ais-train`` policy and task.
 
 The policy, the task and the engines come from the composed ``ais-train`` config, built as ``ais-train`` builds
-them (``ais_lightning.probes.compose``: the same overrides as ``ais-train``, e.g. ``policy=smollm2
+them (``ais_lightning.toolkit.probes.compose``: the same overrides as ``ais-train``, e.g. ``policy=smollm2
 task=arithmetic``, also accepted after ``--``), so a real model is measured with the prompts it is trained on (its
 chat template and the task's chat format included). Per rollout precision (``--precisions``: a rollout precision,
 set as ``rollout.precision=`` on the composed rollout, optionally ``@F`` for ``rollout.outlier_fraction=F``, e.g.
@@ -11,7 +11,7 @@ set as ``rollout.precision=`` on the composed rollout, optionally ``@F`` for ``r
 1. ``--samples`` samples per prompt at ``--temperature`` (``--max-new-tokens``, stopped at EOS): the engine's
    log mu of each sampled token, the fp32 policy's log pi of the same tokens (``Policy.batch_logprobs``), the
    token-mean k3 KL(mu || pi) (``MismatchKL("k3")``) with its standard error over prompts (the tokens of one
-   prompt are one cluster, ``ais_lightning.measure.clustered_kl``), and the largest ``|log pi - log mu|``;
+   prompt are one cluster, ``ais_lightning.toolkit.measure.clustered_kl``), and the largest ``|log pi - log mu|``;
 2. a weight sync of the policy's own weights (``sync_weights(Policy.full_state_dict())``, timed): the step at
    which the engine re-picks its outlier channels from what its prefills saw.
 
@@ -34,7 +34,7 @@ processing. The rollout row is the low-precision mismatch the corrector handles,
     python tools/model_mismatch.py --check policy=smollm2 task=arithmetic rollout=fp8
 
 ``--matched`` measures the trainer and the engine at the *same* precision, each row with its own policy built with
-``policy.dtype`` of that precision and carrying the measured weights (``ais_lightning.probes.policy_like``), the
+``policy.dtype`` of that precision and carrying the measured weights (``ais_lightning.toolkit.probes.policy_like``), the
 engine built from it as training builds it from a policy of ``policy.dtype``: ``PRECISION[:HEAD]`` with
 ``PRECISION`` in fp32 / bf16 / fp16 (``policy.dtype`` float32 / bfloat16 / float16 and ``rollout.precision`` that
 precision) and ``HEAD`` the LM head's projection: ``model`` (default, the model dtype on both
@@ -106,7 +106,7 @@ def parse_precision(spec: str) -> tuple[str, dict[str, Any]]:
 def sample_mismatch(policy, engine, task, samples, sampling) -> dict[str, Any]:
     """Sample ``samples``' prompts with ``engine`` and compare its log mu with the fp32 ``policy``'s log pi."""
     from ais_lightning.diagnostics import TokenMultProbError
-    from ais_lightning.measure import mismatch, sampled_reward, score_samples
+    from ais_lightning.toolkit.measure import mismatch, sampled_reward, score_samples
 
     batch, pi = score_samples(policy, engine, samples, sampling)
     mu, mask = batch.rollout_logprobs, batch.response_mask
@@ -121,8 +121,8 @@ def sample_mismatch(policy, engine, task, samples, sampling) -> dict[str, Any]:
 
 def measure_engine(policy, task, args: argparse.Namespace, label: str, build_engine) -> dict[str, Any]:
     """One engine (``build_engine()``): the mismatch per seed of ``args.seeds``, sync time, greedy accuracy."""
-    from ais_lightning.measure import greedy_accuracy, sampling_config
     from ais_lightning.tasks import PromptDataModule
+    from ais_lightning.toolkit.measure import greedy_accuracy, sampling_config
 
     seeds = [int(s) for s in args.seeds.split(",")]
     held_out = PromptDataModule(task, val_size=args.eval_prompts, seed=args.eval_seed).val_samples()
@@ -169,7 +169,7 @@ def measure_engine(policy, task, args: argparse.Namespace, label: str, build_eng
 
 def measure(policy, task, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every precision of ``args.precisions`` on the composed rollout (see :func:`measure_engine`)."""
-    from ais_lightning.probes import engine_factory
+    from ais_lightning.toolkit.probes import engine_factory
 
     rows = []
     for spec in args.precisions.split(","):
@@ -195,7 +195,7 @@ def parse_matched(spec: str) -> tuple[str, bool, bool]:
 def matched_overrides(precision: str, policy_head: bool, engine_head: bool, model_impl: str) -> list[str]:
     """The ``ais-train`` overrides of one ``--matched`` row: the policy and the engine at ``precision`` (a key of
     :data:`MATCHED_DTYPES`), each LM head in fp32 or not, the engine's forward ``model_impl``."""
-    from ais_lightning.probes import override
+    from ais_lightning.toolkit.probes import override
 
     return [
         f"policy.dtype={MATCHED_DTYPES[precision]}",
@@ -210,10 +210,10 @@ def measure_matched(policy, task, args: argparse.Namespace) -> list[dict[str, An
     """Every row of ``args.matched``: trainer and engine at one precision (see the module docstring)."""
     import logging
 
-    from ais_lightning.probes import compose, policy_like
+    from ais_lightning.toolkit.probes import compose, policy_like
 
     rows = []
-    build_log = logging.getLogger("ais_lightning.build")
+    build_log = logging.getLogger("ais_lightning.app.build")
     for spec in args.matched.split(","):
         precision, policy_head, engine_head = parse_matched(spec)
         overrides = [
@@ -254,9 +254,9 @@ def matched_markdown(rows: list[dict[str, Any]]) -> str:
 
 def check(policy, c, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The alignment check: the run's trainer-precision engine (fp32) and its rollout engine, in that order, each
-    built as training builds it (``ais_lightning.probes.training_engine``); an engine without a trainer-precision
+    built as training builds it (``ais_lightning.toolkit.probes.training_engine``); an engine without a trainer-precision
     copy is checked against the torch engine at fp32 (``rollout=fp32``)."""
-    from ais_lightning.probes import fp32_engine, training_engine
+    from ais_lightning.toolkit.probes import fp32_engine, training_engine
 
     fp32 = fp32_engine(c, args.overrides)
     rollout_name = (getattr(c.engine, "keywords", None) or {}).get("precision", "rollout")
@@ -304,7 +304,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ais_lightning.probes import add_overrides_argument
+    from ais_lightning.toolkit.probes import add_overrides_argument
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precisions", default=PRECISIONS, help="comma-separated; precision[@outlier_fraction]")
@@ -352,7 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.probes import compose, write_json
+    from ais_lightning.toolkit.probes import compose, write_json
 
     args = parse_args(argv)
     if args.threads:

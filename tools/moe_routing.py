@@ -7,7 +7,7 @@ quantized experts, ``ais_lightning.quant.QuantExperts``): the engine samples ``-
 at T = 1 and records its routing; the fp32 trainer scores the samples without and with rollout routing replay
 (the same weights under ``policy.router_replay=true``). The policy, the task and the engines are built as
 ``ais-train`` builds them, from the config composed of ``policy=tiny_qwen3_moe`` and any ``ais-train`` overrides
-given (``ais_lightning.probes.compose``, e.g. ``policy.overrides.num_experts=16 task.digits=3``). Reported per
+given (``ais_lightning.toolkit.probes.compose``, e.g. ``policy.overrides.num_experts=16 task.digits=3``). Reported per
 precision, mean over ``--seeds``:
 
 - **k3 (none / R3)**: the mismatch KL estimate ``E[w - 1 - log w]``, ``w = pi / mu`` over valid response tokens
@@ -94,7 +94,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ais_lightning.probes import add_overrides_argument, compose, engine_factory, policy_like
+    from ais_lightning.toolkit.probes import add_overrides_argument, compose, engine_factory, policy_like
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--precisions", default="int8,fp8,fp4")

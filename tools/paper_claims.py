@@ -47,7 +47,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ais_lightning.report import gap_recovered, reference_keys
+from ais_lightning.toolkit.report import gap_recovered, reference_keys
 
 
 def _stat(row: dict, col: str) -> tuple[float, float, int]:
@@ -89,7 +89,7 @@ def _by_seed(row: dict, col: str) -> dict[str, float]:
 
 
 def _share(x: float, none: float, base: float) -> float:
-    """``ais_lightning.report.gap_recovered`` with nan for "no gap to recover" (this tool's tables print nan)."""
+    """``ais_lightning.toolkit.report.gap_recovered`` with nan for "no gap to recover" (this tool's tables print nan)."""
     share = gap_recovered(x, none, base)
     return float("nan") if share is None else share
 
@@ -411,7 +411,7 @@ def plot_lambda_regimes(report: dict, lambda_key: str, corrector: str, path: str
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
-    palette = matplotlib.colormaps["tab10"].colors  # the colours of ais_lightning.report.render
+    palette = matplotlib.colormaps["tab10"].colors  # the colours of ais_lightning.toolkit.report.render
     fig = plt.figure(figsize=LAMBDA_FIGSIZE, layout="constrained")
     grid = fig.add_gridspec(3, 2, width_ratios=(1.15, 1.0))
     ax_lam = fig.add_subplot(grid[0, 0], label="lambda")

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ais_lightning
-from ais_lightning.mlflow_server import STORE, local_mlflow_server, server_command
+from ais_lightning.toolkit.mlflow_server import STORE, local_mlflow_server, server_command
 
-CONF = Path(ais_lightning.__file__).resolve().parent / "conf"
+CONF = Path(ais_lightning.__file__).resolve().parent / "app" / "conf"
 TOOLS = Path(__file__).resolve().parent
 REPORT_ARGS = ["--metric-map", "val_accuracy=val/accuracy_trainer"]
 REPORT_PLOTS = ["ais/lambda", "ais/variance_amplification", "val/accuracy_engine"]
@@ -69,21 +69,21 @@ class Step:
 
 
 def options(group: str) -> list[str]:
-    """The option names of a config group: the stems of ``ais_lightning/conf/<group>/*.yaml``."""
+    """The option names of a config group: the stems of ``ais_lightning/app/conf/<group>/*.yaml``."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 def ais_train() -> list[str]:
-    """The ``ais-train`` console script next to this interpreter, else ``python -m ais_lightning.train``."""
+    """The ``ais-train`` console script next to this interpreter, else ``python -m ais_lightning.app.train``."""
     script = Path(sys.executable).parent / "ais-train"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "ais_lightning.train"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ais_lightning.app.train"]
 
 
 def experiment_name(preset: str, overrides: list[str]) -> str:
     """The MLflow experiment ``ais-train experiment=PRESET OVERRIDES`` logs into (its ``logger.experiment_name``).
 
     Composing also checks the overrides before anything runs (Hydra's own ``hydra.*`` keys are skipped)."""
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.app.config import compose_train_config
 
     config_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     cfg = compose_train_config([f"experiment={preset}", "output_dir=unused", *config_overrides])

@@ -39,9 +39,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_rollout  # noqa: E402  (a sibling script: same configs, model and prompts)
 
-from ais_lightning.probes import add_overrides_argument, engine_factory, write_json  # noqa: E402
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine  # noqa: E402
 from ais_lightning.rollout.torch_engine import MODEL_IMPLS, PRECISIONS  # noqa: E402
+from ais_lightning.toolkit.probes import add_overrides_argument, engine_factory, write_json  # noqa: E402
 
 _FRAME = re.compile(r"ais_lightning/(?:[\w/]*/)?(\w+)\.py\(\d+\): (.+)$")
 """A Python-function event of ``ais_lightning``: ``.../ais_lightning/rollout/torch_model.py(367): decode_layer``."""

@@ -7,7 +7,7 @@ exact fake quantization in fp32 on CPU):
 - **weight MSE, outliers**: relative MSE ``||W_q - W||^2 / ||W||^2`` of one ``[256, 512]`` Gaussian weight
   whose 1% heaviest input channels (5 columns) are scaled by 10 (the setting OCS targets);
 - **weight MSE, tiny Qwen3**: the same ratio summed over every quantized linear of the policy's model, built as
-  ``ais-train`` builds it (``ais_lightning.probes.compose``; default the built-in tiny Qwen3, ``policy=tiny_qwen3``
+  ``ais-train`` builds it (``ais_lightning.toolkit.probes.compose``; default the built-in tiny Qwen3, ``policy=tiny_qwen3``
   initialised from ``--seed``: random init, Gaussian weights, no outliers);
 - **KL**: the token-level mismatch ``KL(mu || pi) = sum_v mu(v) (log mu(v) - log pi(v))`` between the
   quantized model ``mu`` (``quantize_model(copy, recipe)``: embeddings, ``lm_head`` and norms stay fp32) and
@@ -147,7 +147,7 @@ def scale_rounding_ablation(seed: int = 0) -> list[dict]:
 def policy_overrides(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The ``ais-train`` overrides of the model to measure: ``--model``'s directory as ``policy=local``, then
     ``overrides``."""
-    from ais_lightning.probes import override
+    from ais_lightning.toolkit.probes import override
 
     local = [] if path is None else ["policy=local", override("policy.path", path)]
     return [*local, *overrides]
@@ -156,7 +156,7 @@ def policy_overrides(path: str | None, overrides: list[str] | tuple[str, ...] = 
 def load_model(seed: int, path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> nn.Module:
     """The fp32 model to measure, the policy's as ``ais-train`` builds it: the random tiny Qwen3 by default, a local
     Hugging Face directory (``path``), or what ``overrides`` pick."""
-    from ais_lightning.probes import compose
+    from ais_lightning.toolkit.probes import compose
 
     _, c = compose(policy_overrides(path, overrides))
     return c.policy.build(seed).model.float().eval()
@@ -250,7 +250,7 @@ def markdown_scale_rounding(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
-    from ais_lightning.probes import add_overrides_argument, write_json
+    from ais_lightning.toolkit.probes import add_overrides_argument, write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16, help="random sequences")

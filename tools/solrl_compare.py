@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ais_lightning.report import ReportError, RunRecord, load_runs, split_finished
+from ais_lightning.toolkit.report import ReportError, RunRecord, load_runs, split_finished
 
 PHASES: dict[str, tuple[str, ...]] = {
     "cheap_gen": ("time/screen_s",),

@@ -6,7 +6,7 @@ token entropy H (``AIS(spread="entropy_bound")``, AIS v2 as first released, or a
 impurity), it uses 1 − e^{−H}, an upper bound (Rényi's order-2 entropy is at most Shannon's), which for
 peaked tokens over-states G and under-states β. This tool draws
 ``--batches`` rollout batches through ``ais-train``'s own pipeline at fixed weights (the run's warm
-start, its rollout engine and sampling; ``ais_lightning.probes.run_probe``) and, for every valid
+start, its rollout engine and sampling; ``ais_lightning.toolkit.probes.run_probe``) and, for every valid
 response token, computes both spreads from the trainer's full next-token distribution. It prints,
 pooled over the batches: the two spreads and their ratio, β both ways, and AIS v2's λ both ways (the
 corrector's own sufficient statistics from the pipeline's entropy or impurity; the trainer's β1 and
@@ -48,7 +48,7 @@ def _probe_class() -> type:
     )
     from ais_lightning.modules.grpo import GRPOModule
     from ais_lightning.policy.policy import build_sequences
-    from ais_lightning.probes import probe_experience
+    from ais_lightning.toolkit.probes import probe_experience
 
     class SpreadProbe(GRPOModule):
         """GRPOModule whose training step scores the spread of every valid token and leaves the weights."""
@@ -109,7 +109,7 @@ def _probe_class() -> type:
 
 def measure(overrides: list[str], batches: int, seed: int = 0) -> dict[str, Any]:
     """The two spreads, β and λ both ways, pooled over ``batches`` rollout batches at fixed weights."""
-    from ais_lightning.probes import run_probe
+    from ais_lightning.toolkit.probes import run_probe
 
     run = run_probe(overrides, batches, seed, _probe_class(), "spread_bound")
     probe = run.probe
@@ -150,7 +150,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ais_lightning.probes import probe_main
+    from ais_lightning.toolkit.probes import probe_main
 
     description = __doc__.split("\n\n")[0]
     return probe_main(argv, description, DEFAULT_OVERRIDES, 4, measure, format_result)

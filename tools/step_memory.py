@@ -1,6 +1,6 @@
 """Where the time and the memory of a GRPO step go: ``ais-train``'s own loop, phase by phase, one process.
 
-The run is assembled as ``ais-train`` assembles it (``ais_lightning.build.validate`` of the composed config:
+The run is assembled as ``ais-train`` assembles it (``ais_lightning.app.build.validate`` of the composed config:
 policy, engines, corrector, loss, task, settings; ``GRPOModule``, ``PromptDataModule``; a Lightning Trainer
 of one CPU process, no logger and no checkpoint). It validates once before training (as ``ais-train``
 does) and once after the last step, and times each phase by wrapping the method that runs it on the
@@ -15,7 +15,7 @@ module, its policy, its optimizer and its engines (the loop itself is not change
 - ``validation``: one validation batch (both engines' greedy generations and their scoring).
 
 For each phase: how often it ran, its seconds (median per call), the resident set size at its start and
-its peak during the phase (sampled every 2 ms, ``ais_lightning.measure.PeakRSS``), all measured with
+its peak during the phase (sampled every 2 ms, ``ais_lightning.toolkit.measure.PeakRSS``), all measured with
 whatever else runs on the machine (the 1-minute load average is reported). RSS only grows when the
 allocator needs new pages, so a phase's growth counts what it needs beyond what earlier phases left
 free. Beside the phases, an exact inventory of what stays resident between steps: the policy's
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ais_lightning.measure import PeakRSS, rss_bytes
+from ais_lightning.toolkit.measure import PeakRSS, rss_bytes
 
 MB = 2**20
 PHASES = (
@@ -214,7 +214,7 @@ def run(overrides: list[str], threads: int | None, validate_before: bool = True)
     import lightning as L
 
     import ais_lightning
-    from ais_lightning.probes import compose, one_process
+    from ais_lightning.toolkit.probes import compose, one_process
 
     cfg, c = compose(overrides)
     one_process(c, "step_memory", warm_start=False, threads=threads)
@@ -323,7 +323,7 @@ def rollout_shaped_batch(overrides: list[str]) -> tuple[Any, Any, tuple[torch.Te
     """The policy of the composed config, its algorithm settings, and a batch of its rollout's shape: the first
     training batch's prompts as the policy encodes them (left-padded), ``group_size`` rows each, with
     ``max_new_tokens`` response tokens drawn from the vocabulary, all valid (the longest a rollout can be)."""
-    from ais_lightning.probes import compose
+    from ais_lightning.toolkit.probes import compose
 
     cfg, c = compose(overrides)
     policy = c.policy.build(cfg.seed)
@@ -406,7 +406,7 @@ def update_split(overrides: list[str], threads: int | None, repeats: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from ais_lightning.probes import add_overrides_argument
+    from ais_lightning.toolkit.probes import add_overrides_argument
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_overrides_argument(parser)
     args = parser.parse_intermixed_args(argv)
 
-    from ais_lightning.probes import quiet_run_logs, write_json
+    from ais_lightning.toolkit.probes import quiet_run_logs, write_json
 
     quiet_run_logs()
     if args.update_split:

@@ -9,7 +9,7 @@ Writes into --out: report.md (one row per configuration, seeds averaged: mean ±
 report.json (the same numbers, plus mean histories), and one PNG per metric vs step
 (val_accuracy, reward, mismatch_kl, entropy, ais_lambda; skipped with a note when not logged).
 Only FINISHED runs are averaged; FAILED/KILLED/RUNNING runs are listed separately.
-Column and "gap recovered" definitions: ais_lightning/report/stats.py (also printed at the end of report.md).
+Column and "gap recovered" definitions: ais_lightning/toolkit/report/stats.py (also printed at the end of report.md).
 Repeat --experiment to pool several experiments' runs (e.g. more seeds logged under another name).
 Exit status 2 when an experiment does not exist or none has finished runs.
 """
@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import sys
 
-from ais_lightning.report import MetricNames, ReportError, build_report
+from ais_lightning.toolkit.report import MetricNames, ReportError, build_report
 
 
 def parse_metric_map(items: list[str]) -> dict[str, str]:

@@ -19,7 +19,7 @@ as the median over rounds and the range of the per-round ratios, as ``tools/benc
 Per configuration the table gives each phase's median seconds over all steps and its share of the
 step (the phase's total time over the steps' total time, so the shares add up to 100%).
 
-The run is assembled from the components ``ais-train`` builds (``ais_lightning.build.validate`` of
+The run is assembled from the components ``ais-train`` builds (``ais_lightning.app.build.validate`` of
 the composed config: policy, engine, corrector, loss, task, settings; ``GRPOModule``,
 ``PromptDataModule``) with a Lightning Trainer of one CPU process; validation, checkpoints and the
 tracking logger are off (none of them is inside the timed phases; a checkpoint of the gemm policy and
@@ -102,7 +102,7 @@ def run_segment(overrides: list[str]) -> dict[str, Any]:
     per-step timers and what the run was."""
     import lightning as L
 
-    from ais_lightning.probes import compose, measuring_trainer, one_process
+    from ais_lightning.toolkit.probes import compose, measuring_trainer, one_process
 
     cfg, c = compose(overrides)
     one_process(c, "train_speed", warm_start=False)
@@ -205,7 +205,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from ais_lightning.probes import add_overrides_argument, compose, quiet_run_logs, write_json
+    from ais_lightning.toolkit.probes import add_overrides_argument, compose, quiet_run_logs, write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gemm")

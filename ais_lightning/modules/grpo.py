@@ -62,7 +62,7 @@ EngineFactory = Callable[[nn.Module], RolloutEngine]
 
 log = logging.getLogger(__name__)
 
-# The public path, which configs name as the algorithm group's _target_ (ais_lightning.config.target_path).
+# The public path, which configs name as the algorithm group's _target_ (ais_lightning.app.config.target_path).
 GRPOSettings.__module__ = __name__
 
 

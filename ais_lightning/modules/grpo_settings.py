@@ -151,6 +151,6 @@ class GRPOSettings:
         return GRPOModule
 
     def check_components(self, components: Any, cfg: Any = None) -> None:
-        """This algorithm's rules involving other config groups (``components``: ``ais_lightning.build.Components``;
+        """This algorithm's rules involving other config groups (``components``: ``ais_lightning.app.build.Components``;
         ``cfg``: the composed config), run once by ``ais-train`` among the rules between groups
-        (``ais_lightning.rules``): ValueError naming the key. GRPO has none."""
+        (``ais_lightning.app.rules``): ValueError naming the key. GRPO has none."""

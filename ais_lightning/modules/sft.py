@@ -6,7 +6,7 @@ the policy's own ``sft_loss``: for a causal LM the mean negative log-likelihood 
 trainer uses; for a masked-diffusion LM the masked-denoising loss over the completion.
 
 The schedule is deliberately plain: AdamW, a linear warm-up to ``lr``, then a constant ``lr`` (the
-warm start of :mod:`ais_lightning.warmstart` stops when an accuracy target is met, at a step not
+warm start of :mod:`ais_lightning.app.warmstart` stops when an accuracy target is met, at a step not
 known in advance, so there is no horizon to decay towards), and global gradient-norm clipping,
 which keeps the occasional loss spike of a tiny model at a moderate lr from undoing what it learned.
 The module runs under a Lightning ``Trainer`` (``training_step``, ``configure_optimizers``,

@@ -99,7 +99,7 @@ class SolRLSettings(GRPOSettings):
         return SolRLModule
 
     def check_components(self, components: Any, cfg: Any = None) -> None:
-        """Rules involving other groups (``ais_lightning.build.validate``); ValueError naming the key.
+        """Rules involving other groups (``ais_lightning.app.build.validate``); ValueError naming the key.
 
         The cheap engine must record per-step uniforms and have a trainer-precision copy that takes them;
         a run of several processes needs a fixed batch (``train_prompts`` > 0), or FSDP's collectives

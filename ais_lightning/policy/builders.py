@@ -53,7 +53,7 @@ def check_aligned_schedule_engine(schedule: Any, engine_factory: Any) -> None:
     """Refuse a progressive aligned schedule the rollout engine cannot follow (config time).
 
     ``schedule``: a checked ``aligned_schedule`` (or None: nothing to check); ``engine_factory``: the run's
-    engine builder, an :class:`~ais_lightning.rollout.EngineSpec` (``ais_lightning.build.Components.engine``, whose
+    engine builder, an :class:`~ais_lightning.rollout.EngineSpec` (``ais_lightning.app.build.Components.engine``, whose
     checks ran when it was made and are not run again) or a ``functools.partial`` of an engine class; anything
     else (a lambda) is not inspected (:func:`~ais_lightning.rollout.engine_class_of`). At every stage boundary the
     engine switches its precision in place (``engine.set_precision``), so the engine class must declare
@@ -109,7 +109,7 @@ class PolicySpec(abc.ABC):
       (``warmstart.enabled=auto`` then runs no warm start).
     - :attr:`dtype` [``"float32"``], :attr:`head_dtype` [None], :attr:`aligned_quantization` [None],
       :attr:`aligned_schedule` [None], :attr:`router_replay` [False], :attr:`response_length` [None]: the options
-      the rules between config groups read (``ais_lightning.rules``).
+      the rules between config groups read (``ais_lightning.app.rules``).
 
     Example:
         >>> from ais_lightning.policy import PolicySpec, TinyQwen3

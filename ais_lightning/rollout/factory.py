@@ -74,7 +74,7 @@ class EngineSpec(functools.partial):
     ``spec.keywords``) whose arguments the class's ``check_args`` checks when the spec is made; the result is kept
     (:attr:`checked_arguments`: every argument with the constructor's defaults filled in and normalized) and so is the
     result of every :meth:`check` with other values, so each check runs once however often it is asked for.
-    ``ais-train``'s builder hands its engines to the module as specs (``ais_lightning.build.Components.engine``).
+    ``ais-train``'s builder hands its engines to the module as specs (``ais_lightning.app.build.Components.engine``).
     ValueError (naming the argument) when ``check_args`` refuses the arguments.
 
     Example:

@@ -1,6 +1,6 @@
 """What every corrector of issue #15 shares: the contract on edge cases, and its YAML options.
 
-Each option file ``ais_lightning/conf/corrector/<option>.yaml`` names its schema
+Each option file ``ais_lightning/app/conf/corrector/<option>.yaml`` names its schema
 (``/schema/corrector/<registry name>@_here_``) and sets constructor arguments; here each is built
 directly from the registry with those values, so a typo or a wrong value fails without Hydra.
 """
@@ -29,7 +29,7 @@ from ais_lightning.correctors import (
     build_corrector,
 )
 
-CONF = Path(ais_lightning.__file__).parent / "conf" / "corrector"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf" / "corrector"
 OPTIONS = {
     "rs_token_k1": "rs",
     "rs_token_k1_token_tis": "rs",

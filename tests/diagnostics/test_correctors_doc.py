@@ -19,7 +19,7 @@ from ais_lightning.correctors import CORRECTORS, build_corrector
 from ais_lightning.diagnostics import MismatchDiagnostics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "correctors.md"
-CONF = Path(ais_lightning.__file__).parent / "conf" / "corrector"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf" / "corrector"
 
 
 def metric_rows() -> list[tuple[str, str, str, str | None]]:

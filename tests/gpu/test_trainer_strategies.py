@@ -19,12 +19,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import ais_lightning
-from ais_lightning.build import validate
-from ais_lightning.config import register_configs
-from ais_lightning.trainer import TrainerSettings
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import register_configs
+from ais_lightning.app.trainer import TrainerSettings
 from tests.gpu.fake_cuda import fake_cuda
 
-CONF = Path(ais_lightning.__file__).parent / "conf"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 

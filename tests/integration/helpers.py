@@ -51,11 +51,11 @@ def run_process(
 
 
 def run_train(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 600):
-    """``python -m ais_lightning.train ARGS`` in ``cwd``; raises with the output on failure."""
+    """``python -m ais_lightning.app.train ARGS`` in ``cwd``; raises with the output on failure."""
     full_env = local_env({"TOKENIZERS_PARALLELISM": "false", "AIS_LIGHTNING_CACHE": str(cwd / "cache")})
     full_env.pop("MLFLOW_TRACKING_URI", None)
     full_env.update(env or {})
-    proc = run_process([sys.executable, "-m", "ais_lightning.train", *args], cwd, full_env, timeout)
+    proc = run_process([sys.executable, "-m", "ais_lightning.app.train", *args], cwd, full_env, timeout)
     if proc.returncode != 0:
         raise AssertionError(
             f"ais-train {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

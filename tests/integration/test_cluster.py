@@ -12,11 +12,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 import ais_lightning
-from ais_lightning.build import validate
-from ais_lightning.config import register_configs
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import register_configs
 from tests.integration.helpers import RENDEZVOUS_VARIABLES
 
-CONF = Path(ais_lightning.__file__).parent / "conf"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 

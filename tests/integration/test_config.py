@@ -9,10 +9,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import ais_lightning
-from ais_lightning.build import validate
-from ais_lightning.config import register_configs
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import register_configs
 
-CONF = Path(ais_lightning.__file__).parent / "conf"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 
@@ -115,7 +115,7 @@ def test_an_option_yaml_restates_no_constructor_default():
     """Every default lives in its constructor: an option YAML sets only what makes it that option."""
     import yaml
 
-    from ais_lightning.config import builtin_options, schema_for
+    from ais_lightning.app.config import builtin_options, schema_for
 
     registry = builtin_options()
     for path in CONF.glob("*/*.yaml"):

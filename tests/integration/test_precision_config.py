@@ -1,4 +1,4 @@
-"""Config-time rules of the fp16 trainer and of the LM head's precision on both sides (ais_lightning.build)."""
+"""Config-time rules of the fp16 trainer and of the LM head's precision on both sides (ais_lightning.app.build)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ais_lightning.build import validate
+from ais_lightning.app.build import validate
 from ais_lightning.modules.grpo import same_engine
 from tests.integration.test_config import make
 
@@ -24,9 +24,9 @@ from tests.integration.test_config import make
     ],
 )
 def test_a_one_sided_fp32_head_warns_naming_both_keys(overrides, on, caplog):
-    with caplog.at_level(logging.WARNING, logger="ais_lightning.rules"):
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.app.rules"):
         validate(make(*overrides))
-    (message,) = [r.getMessage() for r in caplog.records if r.name == "ais_lightning.rules"]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "ais_lightning.app.rules"]
     assert "policy.head_dtype=" in message and "rollout.head_dtype=" in message
     assert f"fp32 on the {on} side only" in message
     off = "rollout" if on == "policy" else "policy"
@@ -44,9 +44,9 @@ def test_a_one_sided_fp32_head_warns_naming_both_keys(overrides, on, caplog):
     ],
 )
 def test_consistent_heads_validate_without_a_warning(overrides, caplog):
-    with caplog.at_level(logging.WARNING, logger="ais_lightning.rules"):
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.app.rules"):
         validate(make(*overrides))
-    assert not [r for r in caplog.records if r.name == "ais_lightning.rules"]
+    assert not [r for r in caplog.records if r.name == "ais_lightning.app.rules"]
 
 
 def test_the_trainer_precision_engine_computes_its_head_as_the_policy():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ais_lightning.build import validate
-from ais_lightning.config import compose_train_config
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import compose_train_config
 from tests.integration.helpers import SMOKE, run_train
 
 

@@ -91,7 +91,7 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path):
         [
             sys.executable,
             "-m",
-            "ais_lightning.train",
+            "ais_lightning.app.train",
             *common,
             # far more steps than the poll below can miss: the run is still training when it is killed
             # (with 4 steps a loaded machine let it finish between two polls). Batch k is the same

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from ais_lightning.build import validate
-from ais_lightning.config import compose_train_config
-from ais_lightning.warmstart import WarmStartSettings
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import compose_train_config
+from ais_lightning.app.warmstart import WarmStartSettings
 
 
 def make(*overrides: str):
@@ -43,7 +43,7 @@ def test_an_explicit_choice_is_kept(value, tmp_path):
 def test_a_policy_spec_without_the_attribute_counts_as_random_weights():
     """A user's own policy spec (``PRETRAINED_WEIGHTS`` left at ``PolicySpec``'s default) keeps the warm start the
     settings ask for."""
-    from ais_lightning.build import _resolve_warm_start
+    from ais_lightning.app.build import _resolve_warm_start
     from ais_lightning.policy import PolicySpec
 
     class Spec(PolicySpec):  # a stand-in for a user's policy spec

@@ -251,8 +251,8 @@ def test_bad_paths_name_the_field(tmp_path):
 
 
 def _compose(*overrides):
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.app.build import validate
+    from ais_lightning.app.config import compose_train_config
 
     return validate(compose_train_config(["output_dir=/tmp/ais-test-unused", *overrides]))
 

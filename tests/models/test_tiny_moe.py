@@ -91,8 +91,8 @@ def test_policy_option_refuses_aligned_quantization():
 
 
 def test_config_composes():
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.app.build import validate
+    from ais_lightning.app.config import compose_train_config
 
     cfg = compose_train_config(["output_dir=/tmp/ais-test-unused", "policy=tiny_qwen3_moe"])
     components = validate(cfg)
@@ -100,8 +100,8 @@ def test_config_composes():
 
 
 def test_router_replay_needs_an_engine_that_records_routing(monkeypatch):
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.app.build import validate
+    from ais_lightning.app.config import compose_train_config
     from ais_lightning.rollout import TorchRolloutEngine
 
     overrides = ["output_dir=/tmp/ais-test-unused", "policy=tiny_qwen3_moe", "policy.router_replay=true"]

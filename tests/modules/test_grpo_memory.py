@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ais_lightning.build import validate
-from ais_lightning.config import compose_train_config
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import compose_train_config
 from ais_lightning.modules.grpo import GRPOModule, GRPOSettings, same_engine
 from ais_lightning.rollout import TorchRolloutEngine
 from tests.modules.test_grpo_module import _fit, _module, _weights

@@ -10,13 +10,13 @@ import lightning as L
 import pytest
 from torch.utils.data import DataLoader
 
+from ais_lightning.app.summary import format_summary, summarize
 from ais_lightning.correctors import AIS
 from ais_lightning.losses import GRPOLoss
 from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
 from ais_lightning.modules.grpo import GRPOModule, GRPOSettings
 from ais_lightning.policy import Policy
 from ais_lightning.rollout import TorchRolloutEngine
-from ais_lightning.summary import format_summary, summarize
 from ais_lightning.tasks import get_task
 from ais_lightning.tasks.arithmetic import Arithmetic
 

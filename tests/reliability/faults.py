@@ -101,7 +101,7 @@ def _timed_main() -> None:
     import lightning  # noqa: F401 - every run imports these; loaded before the clock starts
     import mlflow  # noqa: F401
 
-    from ais_lightning import train
+    from ais_lightning.app import train
 
     if os.environ.get(FROZEN_NOW):
         _freeze_hydra_clock(os.environ[FROZEN_NOW])

@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["experiment=smoke", "trainer.num_threads=1"]
 """A seconds-long run: tiny model, no warm start, 2 rollout steps of 4 prompts x 4 samples."""
 
-TRAIN = "ais_lightning.train"
-"""``python -m ais_lightning.train``: ``ais-train`` itself."""
+TRAIN = "ais_lightning.app.train"
+"""``python -m ais_lightning.app.train``: ``ais-train`` itself."""
 TIMED = "tests.reliability.faults"
 """``ais-train`` with its libraries imported first; prints ``RUN_SECONDS=`` (see faults.py)."""
 
@@ -149,4 +149,4 @@ def user_conf(root: Path, files: dict[str, str]) -> Path:
 
 
 NOISE = ("manual optimization", "LeafSpec", "litlogger")
-"""Fragments of the third-party messages ``ais_lightning.noise`` silences (none may reach the output)."""
+"""Fragments of the third-party messages ``ais_lightning.app.noise`` silences (none may reach the output)."""

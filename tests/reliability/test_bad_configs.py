@@ -8,11 +8,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import ais_lightning
-from ais_lightning.build import validate
-from ais_lightning.config import register_configs
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import register_configs
 from ais_lightning.rollout.base import SamplingConfig
 
-CONF = Path(ais_lightning.__file__).parent / "conf"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 

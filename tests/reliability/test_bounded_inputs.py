@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ais_lightning.build import validate
-from ais_lightning.config import compose_train_config
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import compose_train_config
 from ais_lightning.models import build_tiny_diffusion, build_tiny_qwen3
 from ais_lightning.rollout.base import SamplingConfig
 from ais_lightning.rollout.diffusion_engine import DiffusionRolloutEngine

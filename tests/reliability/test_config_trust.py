@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ais_lightning.build import validate
-from ais_lightning.config import compose_train_config
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import compose_train_config
 from ais_lightning.correctors import TIS, Corrector
 from tests.reliability.runs import SMOKE, train
 
@@ -131,7 +131,7 @@ def test_trusted_targets_restrict_every_target_to_the_package_and_named_modules(
 
 
 def test_nested_targets_are_checked_and_the_environment_cannot_be_loosened_by_a_config(monkeypatch):
-    from ais_lightning.build import check_trusted_targets
+    from ais_lightning.app.build import check_trusted_targets
 
     nested = OmegaConf.create({"trusted_targets": ["my_pkg"], "a": {"b": [{"_target_": "os.system"}]}})
     with pytest.raises(ValueError, match=r"a\.b\[0\]\._target_=os\.system is not trusted"):

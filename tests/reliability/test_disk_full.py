@@ -59,8 +59,8 @@ def test_a_full_disk_fails_naming_the_checkpoint_marks_the_run_failed_and_leaves
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from ais_lightning.config import compose_train_config
-    from ais_lightning.train import run as train_run
+    from ais_lightning.app.config import compose_train_config
+    from ais_lightning.app.train import run as train_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("AIS_LIGHTNING_CACHE", str(tmp_path / "cache"))

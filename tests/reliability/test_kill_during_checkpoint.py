@@ -123,7 +123,7 @@ def test_every_moment_of_a_checkpoint_write_leaves_a_checkpoint_that_verifies(tm
     """``ModelCheckpoint``'s sequence (``stepN.ckpt`` then ``last.ckpt``, overwritten) through the checkpoint IO,
     a kill after each of its steps: ``ckpt_path=last`` always finds a complete checkpoint that verifies, never
     older than the last save that returned, and says so when it skips a newer one."""
-    from ais_lightning.resume import resolve_checkpoint
+    from ais_lightning.app.resume import resolve_checkpoint
 
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
@@ -152,8 +152,8 @@ def test_every_moment_of_a_checkpoint_write_leaves_a_checkpoint_that_verifies(tm
 
 
 def test_last_falls_back_to_the_newest_checkpoint_that_verifies_and_says_why(tmp_path: Path, caplog):
+    from ais_lightning.app.resume import resolve_checkpoint
     from ais_lightning.files import write_hash
-    from ais_lightning.resume import resolve_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
@@ -164,7 +164,7 @@ def test_last_falls_back_to_the_newest_checkpoint_that_verifies_and_says_why(tmp
     write_hash(last)
     last.write_bytes(b"step 7")  # new content beside the old hash (what an in-place overwrite left)
     os.utime(older, ns=(10**9, 10**9))
-    with caplog.at_level("WARNING", logger="ais_lightning.train"):
+    with caplog.at_level("WARNING", logger="ais_lightning.app.train"):
         assert resolve_checkpoint("last", str(tmp_path)) == str(older)
     assert "step000006.ckpt" in caplog.text and "last.ckpt" in caplog.text and "does not match" in caplog.text
     older.write_bytes(b"damaged")
@@ -180,8 +180,8 @@ def test_killed_at_20_moments_of_checkpoint_writes_every_resume_continues_the_ml
     """The acceptance test: a real 2-step ``ais-train`` run (MLflow on its default SQLite store), killed at 20
     moments spread over its checkpoint writes after the first checkpoint; each time ``ckpt_path=last`` resumes,
     finishes, and continues the same MLflow run."""
-    from ais_lightning.config import compose_train_config
-    from ais_lightning.train import run as train_run
+    from ais_lightning.app.config import compose_train_config
+    from ais_lightning.app.train import run as train_run
 
     monkeypatch.setenv(
         "MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "NullPool"

@@ -45,8 +45,8 @@ def test_a_resume_whose_mlflow_server_is_gone_fails_within_seconds(tmp_path: Pat
     one checked: a server that is gone fails the resume at once (not after minutes of retries)."""
     import torch
 
+    from ais_lightning.app.resume import MLFLOW_CHECKPOINT_KEY
     from ais_lightning.files import write_hash
-    from ais_lightning.resume import MLFLOW_CHECKPOINT_KEY
 
     uri = f"http://127.0.0.1:{free_port()}"
     ckpt = tmp_path / "from_a_server_run.ckpt"  # only what ais-train reads before anything heavy
@@ -151,9 +151,9 @@ def test_sigterm_during_the_validation_before_training_ends_the_run_killed(tmp_p
 
 def test_warmstart_steps_zero_fails_validation_naming_the_key():
     """``warmstart.steps=0`` (issue case 5), once the warm start has its settings class."""
-    warmstart = pytest.importorskip("ais_lightning.warmstart")
+    warmstart = pytest.importorskip("ais_lightning.app.warmstart")
     if not hasattr(warmstart, "WarmStartSettings"):
-        pytest.skip("ais_lightning.warmstart.WarmStartSettings does not exist yet")
+        pytest.skip("ais_lightning.app.warmstart.WarmStartSettings does not exist yet")
     from tests.reliability.test_bad_configs import make, validate
 
     with pytest.raises(ValueError, match=r"warmstart\b.*\bsteps\b"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ais_lightning.resume import log_missing_metrics, skipped_validation
+from ais_lightning.app.resume import log_missing_metrics, skipped_validation
 
 
 def _checkpoint(ready: int, completed: int, batches_that_stepped: int, epoch: int = 0) -> dict:
@@ -61,8 +61,8 @@ def test_last_is_the_newest_checkpoint_whose_hash_was_written(tmp_path: Path):
     """A kill between a checkpoint and its sidecar leaves the newest file incomplete: ``last`` skips it."""
     import os
 
+    from ais_lightning.app.resume import resolve_checkpoint
     from ais_lightning.files import write_hash
-    from ais_lightning.resume import resolve_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ais_lightning.tracking import LoggerSettings, check_tracking_uri
+from ais_lightning.app.tracking import LoggerSettings, check_tracking_uri
 
 mlflow_env = pytest.importorskip("mlflow.environment_variables")
 
@@ -58,7 +58,7 @@ def test_a_run_leaves_no_tracking_uri_behind_so_a_later_resume_continues_its_own
     started a new run there instead of continuing its checkpoint's run."""
     import os
 
-    from ais_lightning.tracking import build_logger, logger_target
+    from ais_lightning.app.tracking import build_logger, logger_target
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     settings = LoggerSettings(name="mlflow")

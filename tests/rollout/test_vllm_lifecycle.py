@@ -51,8 +51,8 @@ def test_ais_train_runs_one_vllm_engine_and_releases_it(monkeypatch, tmp_path):
     """Two ``ais-train`` runs in one process (a sweep under Hydra's basic launcher) with ``rollout=vllm_cpu``:
     each builds one vLLM engine, for its validation before training and its training, and releases it when it
     ends, before the next run builds its own."""
-    from ais_lightning import train
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.app import train
+    from ais_lightning.app.config import compose_train_config
 
     vllm = stand_in_vllm(monkeypatch)
     monkeypatch.setenv("AIS_LIGHTNING_CACHE", str(tmp_path / "cache"))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ais_lightning.report import ReportError, RunRecord
+from ais_lightning.toolkit.report import ReportError, RunRecord
 from tests.tools.load_tool import load_tool
 
 tool = load_tool("solrl_compare")

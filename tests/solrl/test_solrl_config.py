@@ -9,11 +9,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import ais_lightning
-from ais_lightning.build import validate
-from ais_lightning.config import register_configs
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import register_configs
 from ais_lightning.modules.solrl import SolRLSettings
 
-CONF = Path(ais_lightning.__file__).parent / "conf"
+CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 
@@ -61,8 +61,8 @@ def test_an_engine_without_coupled_noise_or_trainer_copy_is_refused():
     import functools
     import types
 
+    from ais_lightning.app.trainer import TrainerSettings
     from ais_lightning.rollout import RolloutEngine, TorchRolloutEngine
-    from ais_lightning.trainer import TrainerSettings
 
     class NoNoise(RolloutEngine):
         def sync_weights(self, named_tensors):

@@ -184,7 +184,7 @@ def test_bad_format_options_name_the_field(name):
 
 
 def test_the_format_is_in_the_warm_start_fingerprint():
-    from ais_lightning.warmstart import task_fingerprint
+    from ais_lightning.app.warmstart import task_fingerprint
 
     auto, chat = get_task("arithmetic"), get_task("arithmetic")
     chat.resolve_format(chat_template=True)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ais_lightning.build import validate
-from ais_lightning.config import compose_train_config
+from ais_lightning.app.build import validate
+from ais_lightning.app.config import compose_train_config
 from ais_lightning.tasks.arithmetic import Arithmetic
 from ais_lightning.tasks.countdown import Countdown
 from ais_lightning.tasks.sudoku4 import Sudoku4

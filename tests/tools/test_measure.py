@@ -1,5 +1,5 @@
-"""The tools' shared measures and run builder: ``ais_lightning.measure`` (the clustered KL from the AIS
-corrector's statistics, the mismatch row, greedy accuracy) and ``ais_lightning.probes`` (overrides, compose,
+"""The tools' shared measures and run builder: ``ais_lightning.toolkit.measure`` (the clustered KL from the AIS
+corrector's statistics, the mismatch row, greedy accuracy) and ``ais_lightning.toolkit.probes`` (overrides, compose,
 engine factories, a policy carrying another's weights)."""
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from ais_lightning.diagnostics import MismatchKL
-from ais_lightning.measure import clustered_kl, greedy_accuracy, mismatch, sampled_reward, score_samples
-from ais_lightning.probes import compose, engine_factory, override, policy_like, training_engine
+from ais_lightning.toolkit.measure import (
+    clustered_kl,
+    greedy_accuracy,
+    mismatch,
+    sampled_reward,
+    score_samples,
+)
+from ais_lightning.toolkit.probes import compose, engine_factory, override, policy_like, training_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -113,7 +119,7 @@ def test_the_fp32_engine_of_a_run():
     rollout keys left out (they may not exist on the torch engine)."""
     from types import SimpleNamespace
 
-    from ais_lightning.probes import fp32_engine
+    from ais_lightning.toolkit.probes import fp32_engine
 
     overrides = ["rollout=int8", "rollout.compact_below=0.3"]
     _, c = compose(overrides)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ais_lightning.probes import compose, engine_factory, policy_like
 from ais_lightning.rollout.base import SamplingConfig
+from ais_lightning.toolkit.probes import compose, engine_factory, policy_like
 from tests.tools.load_tool import load_tool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -30,7 +30,7 @@ def _sweeps(commands: list[list[str]]) -> list[list[str]]:
 def test_ais_train_is_the_console_script_next_to_this_interpreter(monkeypatch, tmp_path):
     assert pp.ais_train() == [str(Path(sys.executable).parent / "ais-train")]
     monkeypatch.setattr(pp.sys, "executable", str(tmp_path / "python"))
-    assert pp.ais_train() == [str(tmp_path / "python"), "-m", "ais_lightning.train"]
+    assert pp.ais_train() == [str(tmp_path / "python"), "-m", "ais_lightning.app.train"]
 
 
 def test_the_default_commands_are_the_documented_ones(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ais_lightning.report import (
+from ais_lightning.toolkit.report import (
     MetricNames,
     ReportError,
     RunRecord,
@@ -525,7 +525,7 @@ def test_report_from_a_real_mlflow_server(tmp_path, capsys):
 
 
 def test_line_styles_color_by_last_key_style_by_first():
-    from ais_lightning.report import LINE_STYLES, Row, _line_styles
+    from ais_lightning.toolkit.report import LINE_STYLES, Row, _line_styles
 
     rows = [
         Row({"rollout.precision": p, "corrector.name": c}, [], [], {})

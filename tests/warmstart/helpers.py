@@ -1,8 +1,8 @@
 """Shared builders of the warm-start tests."""
 
+from ais_lightning.app.warmstart import WarmStartSettings
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.policy import Policy
-from ais_lightning.warmstart import WarmStartSettings
 
 
 def make_policy(seed: int = 0, **overrides) -> Policy:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from ais_lightning.app.warmstart import GreedyAccuracy, WarmStartError, state_dict_sha256, train_warm_start
 from ais_lightning.modules.sft import SFTModule, warmup_factor
 from ais_lightning.tasks import PromptDataModule, Task, TaskSample
-from ais_lightning.warmstart import GreedyAccuracy, WarmStartError, state_dict_sha256, train_warm_start
 from tests.warmstart.helpers import make_policy, tiny_settings
 
 

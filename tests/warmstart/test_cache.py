@@ -7,16 +7,16 @@ import logging
 import pytest
 import torch
 
-from ais_lightning.files import hash_path
-from ais_lightning.tasks import get_task
-from ais_lightning.tasks.arithmetic import Arithmetic
-from ais_lightning.warmstart import (
+from ais_lightning.app.warmstart import (
     WarmStartResult,
     cache_key,
     cache_key_payload,
     state_dict_sha256,
     warm_start,
 )
+from ais_lightning.files import hash_path
+from ais_lightning.tasks import get_task
+from ais_lightning.tasks.arithmetic import Arithmetic
 from tests.warmstart.helpers import make_policy, tiny_settings
 
 
@@ -155,7 +155,7 @@ def test_corrupt_or_incomplete_entry_is_named_discarded_and_rebuilt(
     policy, first = build(tokenizer, task, settings)
     reference = state_dict_sha256(policy.model)
     damage(first.path)
-    with caplog.at_level(logging.WARNING, logger="ais_lightning.warmstart"):
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.app.warmstart"):
         rebuilt_policy, rebuilt = build(tokenizer, task, settings)
     assert not rebuilt.from_cache  # rebuilt, not loaded
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -193,6 +193,6 @@ def test_wrong_state_dict_in_a_valid_entry_is_rejected(tokenizer, task, tmp_path
     settings = tiny_settings(tmp_path)
     _, first = build(tokenizer, task, settings)
     save_verified({"model.other": torch.zeros(1)}, first.path / "policy.pt")  # valid hash, wrong content
-    with caplog.at_level(logging.WARNING, logger="ais_lightning.warmstart"):
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.app.warmstart"):
         _, again = build(tokenizer, task, settings)
     assert not again.from_cache and "does not hold this model's state dict" in caplog.text

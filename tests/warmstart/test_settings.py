@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-import ais_lightning.warmstart.settings as settings_module
-from ais_lightning.warmstart import WarmStartSettings
+import ais_lightning.app.warmstart.settings as settings_module
+from ais_lightning.app.warmstart import WarmStartSettings
 
 
 def test_defaults_are_valid_and_every_field_is_documented():

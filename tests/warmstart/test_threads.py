@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
     from ais_lightning.policy import Policy
     from ais_lightning.tasks import get_task
-    from ais_lightning.warmstart import WarmStartSettings, state_dict_sha256, warm_start
+    from ais_lightning.app.warmstart import WarmStartSettings, state_dict_sha256, warm_start
 
     task, tokenizer, out = get_task("arithmetic", digits=2, operators="+"), build_char_tokenizer(), {}
     for sft_threads in (1, 0):  # 1: the default fixed thread count; 0: whatever the run uses

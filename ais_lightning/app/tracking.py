@@ -153,7 +153,7 @@ def sqlite_lock_path(uri: str) -> Path | None:
 def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, str] | None = None) -> Any:
     """The Lightning logger for ``settings`` (MLflow, CSV, or False for none).
 
-    ``resume``: the MLflow run a checkpoint belongs to (:func:`ais_lightning.resume.mlflow_run_of`); its run continues, in the
+    ``resume``: the MLflow run a checkpoint belongs to (:func:`ais_lightning.app.resume.mlflow_run_of`); its run continues, in the
     store it was logged to unless ``settings``/``$MLFLOW_TRACKING_URI`` name another store explicitly.
     """
     if settings.name == "none":

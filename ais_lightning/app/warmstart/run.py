@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
+from ais_lightning.app.warmstart.cache import default_cache_dir, read_entry, write_entry
+from ais_lightning.app.warmstart.key import cache_key, cache_key_payload
+from ais_lightning.app.warmstart.search import train_warm_start
+from ais_lightning.app.warmstart.settings import WarmStartSettings
+from ais_lightning.app.warmstart.threads import intra_op_threads
 from ais_lightning.files import entry_lock
 from ais_lightning.policy import Policy
 from ais_lightning.tasks import Task
-from ais_lightning.warmstart.cache import default_cache_dir, read_entry, write_entry
-from ais_lightning.warmstart.key import cache_key, cache_key_payload
-from ais_lightning.warmstart.search import train_warm_start
-from ais_lightning.warmstart.settings import WarmStartSettings
-from ais_lightning.warmstart.threads import intra_op_threads
 
 __all__ = ["WarmStartResult", "warm_start"]
 

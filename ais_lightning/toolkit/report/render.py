@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ais_lightning.report import stats
-from ais_lightning.report.records import RunRecord
-from ais_lightning.report.stats import COLUMNS, SEED_PARAM, Row, Stat
+from ais_lightning.toolkit.report import stats
+from ais_lightning.toolkit.report.records import RunRecord
+from ais_lightning.toolkit.report.stats import COLUMNS, SEED_PARAM, Row, Stat
 
 
 def format_stat(stat: Stat, fmt: str) -> str:
@@ -49,7 +49,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def _definitions() -> str:
-    """The column and gap-recovered definitions (the docstring of :mod:`ais_lightning.report.stats`)."""
+    """The column and gap-recovered definitions (the docstring of :mod:`ais_lightning.toolkit.report.stats`)."""
     doc = stats.__doc__ or ""
     start = doc.index("Definitions used")
     return doc[start:].strip()

@@ -3,7 +3,7 @@
 
 Every tool builds what it measures as ``ais-train`` does: :func:`compose` composes the config from the same
 command-line overrides (``policy=smollm2 rollout=int8 task.digits=3 ...``) and validates it with
-``ais_lightning.build.validate``, whose components build the policy (``policy.build(seed)``), the engines
+``ais_lightning.app.build.validate``, whose components build the policy (``policy.build(seed)``), the engines
 (``engine(model)``) and the task. On top of that: :func:`engine_factory` (the engine of one more rollout setting,
 e.g. ``precision="fp8"``), :func:`fp32_engine` (the run's engine at the trainer's precision),
 :func:`training_engine` (an engine built as ``GRPOModule`` builds it), :func:`policy_like` (the same weights under
@@ -49,11 +49,11 @@ def override(key: str, value: Any) -> str:
 
 def compose(overrides: Sequence[str]) -> tuple[Any, Any]:
     """``(cfg, components)``: the ``ais-train`` config composed from ``overrides`` (as on its command line) and
-    validated as ``ais-train`` validates it (``ais_lightning.build.validate``: every error a ValueError naming the
+    validated as ``ais-train`` validates it (``ais_lightning.app.build.validate``: every error a ValueError naming the
     key). ``components.policy.build(seed)`` makes the policy, ``components.engine(model)`` the rollout engine,
     ``components.task`` is the task: what every tool measures is built from these."""
-    from ais_lightning.build import validate
-    from ais_lightning.config import compose_train_config
+    from ais_lightning.app.build import validate
+    from ais_lightning.app.config import compose_train_config
 
     cfg = compose_train_config(["output_dir=unused", *overrides])
     return cfg, validate(cfg)
@@ -113,11 +113,11 @@ def write_json(path: str | Path | None, data: Any, indent: int = 2) -> None:
 
 def quiet_run_logs() -> None:
     """Quiet what an in-process ``ais-train`` run prints besides a tool's results: the known warnings
-    (``ais_lightning.noise.silence_known_noise``), the tokenizers' fork warning and Lightning's info lines."""
+    (``ais_lightning.app.noise.silence_known_noise``), the tokenizers' fork warning and Lightning's info lines."""
     import logging
     import os
 
-    from ais_lightning.noise import silence_known_noise
+    from ais_lightning.app.noise import silence_known_noise
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     silence_known_noise()
@@ -192,7 +192,7 @@ def run_probe(overrides: list[str], batches: int, seed: int, module_class: type,
 
     import lightning as L
 
-    from ais_lightning.noise import silence_known_noise
+    from ais_lightning.app.noise import silence_known_noise
 
     silence_known_noise()
     cfg, c = compose([*overrides, f"seed={seed}"])

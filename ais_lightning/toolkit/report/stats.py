@@ -31,7 +31,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from ais_lightning.report.records import MetricNames, RunRecord
+from ais_lightning.toolkit.report.records import MetricNames, RunRecord
 
 DEFAULT_GROUP_BY = ("rollout", "corrector")
 """Group keys used when present in the runs' params: the rollout and corrector options picked, as

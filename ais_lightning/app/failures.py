@@ -1,6 +1,6 @@
 """How an ``ais-train`` run that fails ends: its MLflow run marked FAILED, a full disk named in one paragraph.
 
-Interruptions (SIGTERM, Ctrl+C) are not failures: :func:`ais_lightning.trainer.validate_and_fit` reports them
+Interruptions (SIGTERM, Ctrl+C) are not failures: :func:`ais_lightning.app.trainer.validate_and_fit` reports them
 as a status, and the run ends with a summary, the MLflow run KILLED and exit code 143 / 130.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ais_lightning.app.tracking import is_mlflow
 from ais_lightning.files import disk_full, find_cause
-from ais_lightning.tracking import is_mlflow
 
-log = logging.getLogger("ais_lightning.train")
+log = logging.getLogger("ais_lightning.app.train")
 
 
 @contextmanager
@@ -29,7 +29,7 @@ def failure_handling(cfg: DictConfig) -> Iterator[dict[str, Any]]:
     when ``fit`` raises; this also covers errors outside ``fit`` and a store that Lightning could not write.
     The checkpoint directory then holds only complete, verified checkpoints (each published with its hash).
     """
-    from ais_lightning.warmstart import WarmStartError
+    from ais_lightning.app.warmstart import WarmStartError
 
     opened: dict[str, Any] = {}
     try:

@@ -1,7 +1,7 @@
 """The data the sweep report works on: MLflow runs as :class:`RunRecord`, the metric keys it reads.
 
-Shared by :mod:`ais_lightning.report.load` (which builds the records), :mod:`~ais_lightning.report.stats`
-and :mod:`~ais_lightning.report.render`.
+Shared by :mod:`ais_lightning.toolkit.report.load` (which builds the records), :mod:`~ais_lightning.toolkit.report.stats`
+and :mod:`~ais_lightning.toolkit.report.render`.
 """
 
 from __future__ import annotations

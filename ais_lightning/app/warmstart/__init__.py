@@ -56,9 +56,9 @@ Modules, one job each
 count) and ``run`` (:func:`warm_start`, which puts them together); every public name is importable from here.
 """
 
-from ais_lightning.warmstart.cache import default_cache_dir
-from ais_lightning.warmstart.evaluate import GreedyAccuracy
-from ais_lightning.warmstart.key import (
+from ais_lightning.app.warmstart.cache import default_cache_dir
+from ais_lightning.app.warmstart.evaluate import GreedyAccuracy
+from ais_lightning.app.warmstart.key import (
     CACHE_VERSION,
     cache_key,
     cache_key_payload,
@@ -66,12 +66,12 @@ from ais_lightning.warmstart.key import (
     task_fingerprint,
     tokenizer_fingerprint,
 )
-from ais_lightning.warmstart.run import WarmStartResult, warm_start
-from ais_lightning.warmstart.search import WarmStartError, train_warm_start
-from ais_lightning.warmstart.settings import WarmStartSettings, resolve_enabled
-from ais_lightning.warmstart.threads import intra_op_threads
+from ais_lightning.app.warmstart.run import WarmStartResult, warm_start
+from ais_lightning.app.warmstart.search import WarmStartError, train_warm_start
+from ais_lightning.app.warmstart.settings import WarmStartSettings, resolve_enabled
+from ais_lightning.app.warmstart.threads import intra_op_threads
 
-# The public path: configs name it as the warmstart group's _target_ (ais_lightning.config.target_path).
+# The public path: configs name it as the warmstart group's _target_ (ais_lightning.app.config.target_path).
 WarmStartSettings.__module__ = __name__
 
 __all__ = [

@@ -215,7 +215,7 @@ def report_run(
 
     from omegaconf import OmegaConf
 
-    from ais_lightning.tracking import is_mlflow
+    from ais_lightning.app.tracking import is_mlflow
 
     task = components.task
     summary = summarize(

@@ -165,8 +165,8 @@ def build_trainer(
     ``policy`` by its decoder layers."""
     import lightning as L
 
+    from ais_lightning.app.resume import MLflowRunInCheckpoint
     from ais_lightning.files import VerifiedCheckpointIO
-    from ais_lightning.resume import MLflowRunInCheckpoint
 
     steps_per_rollout = algorithm.optimizer_steps_per_rollout
     every = settings.checkpoint_every_n_steps * steps_per_rollout or None
@@ -200,13 +200,13 @@ def validate_and_fit(
 
     ``status``: ``finished``, or ``sigterm`` / ``sigint`` when a signal ended the run (the summary and the
     exit code report it). A fresh run validates before RL (the reference for the end of the run); a resume
-    (``resume``: :class:`ais_lightning.resume.Resume`) instead runs the validation due right after its
+    (``resume``: :class:`ais_lightning.app.resume.Resume`) instead runs the validation due right after its
     checkpoint that ``fit`` would skip, and returns its values.
     """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from ais_lightning.resume import recover_validation
-    from ais_lightning.tracking import reopen_run
+    from ais_lightning.app.resume import recover_validation
+    from ais_lightning.app.tracking import reopen_run
 
     recovered: dict[str, float] = {}
     try:

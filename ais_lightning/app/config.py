@@ -19,7 +19,7 @@ or a wrong type (``algorithm.group_size=abc``) fails at composition with the key
 
 A user's own component needs no schema: a YAML file in a config directory on Hydra's search path
 with a ``_target_`` and the constructor's arguments is enough (its arguments are checked when
-:func:`ais_lightning.build.validate` builds it, before anything heavy starts).
+:func:`ais_lightning.app.build.validate` builds it, before anything heavy starts).
 """
 
 from __future__ import annotations
@@ -140,11 +140,11 @@ class TrainConfig:
     algorithm: Any = MISSING
     """GRPO's loop settings (``conf/algorithm``, ``ais_lightning.modules.GRPOSettings``)."""
     warmstart: Any = MISSING
-    """The SFT warm start (``conf/warmstart``, ``ais_lightning.warmstart.WarmStartSettings``)."""
+    """The SFT warm start (``conf/warmstart``, ``ais_lightning.app.warmstart.WarmStartSettings``)."""
     trainer: Any = MISSING
-    """The Lightning Trainer (``conf/trainer``, ``ais_lightning.trainer.TrainerSettings``)."""
+    """The Lightning Trainer (``conf/trainer``, ``ais_lightning.app.trainer.TrainerSettings``)."""
     logger: Any = MISSING
-    """Experiment tracking (``conf/logger``, ``ais_lightning.tracking.LoggerSettings``)."""
+    """Experiment tracking (``conf/logger``, ``ais_lightning.app.tracking.LoggerSettings``)."""
     seed: int = 0
     """Seed of everything: data, sampling, model init."""
     ckpt_path: Optional[str] = None  # noqa: UP045
@@ -153,7 +153,7 @@ class TrainConfig:
     """Where checkpoints, the summary and the default MLflow store go (Hydra's run directory)."""
     trusted_targets: Optional[List[str]] = None  # noqa: UP006, UP045
     """Modules a ``_target_`` may name besides ``ais_lightning`` (e.g. ``[my_pkg]``); null = any importable
-    callable (a config is code). ``ais_lightning.build.check_trusted_targets`` checks the whole config first."""
+    callable (a config is code). ``ais_lightning.app.build.check_trusted_targets`` checks the whole config first."""
     shortcuts: Dict[str, str] = field(default_factory=dict)  # noqa: UP006
     """What an option that sets keys of other groups set, by option (``corrector=qarl`` sets ``loss`` and
     ``policy.aligned_quantization``): informational, so that ``ais-train --cfg job`` says it."""
@@ -161,15 +161,15 @@ class TrainConfig:
 
 def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
     """Every built-in option target by group and schema name (the registries of the packages)."""
+    from ais_lightning.app.tracking import LoggerSettings
+    from ais_lightning.app.trainer import TrainerSettings
+    from ais_lightning.app.warmstart import WarmStartSettings
     from ais_lightning.correctors import CORRECTORS
     from ais_lightning.losses import LOSSES
     from ais_lightning.modules.grpo import GRPOSettings
     from ais_lightning.modules.solrl import SolRLSettings
     from ais_lightning.policy import POLICIES
     from ais_lightning.tasks import TASKS
-    from ais_lightning.tracking import LoggerSettings
-    from ais_lightning.trainer import TrainerSettings
-    from ais_lightning.warmstart import WarmStartSettings
 
     return {
         "policy": dict(POLICIES),
@@ -206,7 +206,7 @@ def compose_train_config(overrides: list[str]) -> Any:
     """The ``ais-train`` config composed with ``overrides`` (as on its command line), without running it.
 
     For scripts and notebooks that build the components ``ais-train`` would
-    (``ais_lightning.build.validate(cfg)``); Hydra's run-time keys (``hydra.*``) are not available.
+    (``ais_lightning.app.build.validate(cfg)``); Hydra's run-time keys (``hydra.*``) are not available.
     """
     from pathlib import Path
 

@@ -4,21 +4,21 @@ Reads any MLflow experiment (SQLite store, file store or tracking server), group
 runs into configurations (one row per configuration, seeds averaged), and writes a markdown
 table, one PNG per metric history and a JSON with the aggregated numbers. One job per module:
 
-- :mod:`ais_lightning.report.records`: :class:`RunRecord`, :class:`MetricNames`, :class:`ReportError`;
-- :mod:`ais_lightning.report.load`: MLflow store -> run records (:func:`load_runs`);
-- :mod:`ais_lightning.report.stats`: grouping, per-run numbers, mean ± std, gap recovered, mean
+- :mod:`ais_lightning.toolkit.report.records`: :class:`RunRecord`, :class:`MetricNames`, :class:`ReportError`;
+- :mod:`ais_lightning.toolkit.report.load`: MLflow store -> run records (:func:`load_runs`);
+- :mod:`ais_lightning.toolkit.report.stats`: grouping, per-run numbers, mean ± std, gap recovered, mean
   histories (:func:`aggregate`; the column definitions are its module docstring);
-- :mod:`ais_lightning.report.render`: markdown, JSON-able data, plots;
-- :mod:`ais_lightning.report.sweep`: :func:`build_report`, all of the above in one call.
+- :mod:`ais_lightning.toolkit.report.render`: markdown, JSON-able data, plots;
+- :mod:`ais_lightning.toolkit.report.sweep`: :func:`build_report`, all of the above in one call.
 
 Grouping is generic: any logged params can be group keys (``group_by``); the gap-recovered column
 needs a precision key and a corrector key among them (``rollout.precision`` and ``corrector.name``
 by default, see :func:`build_report`).
 """
 
-from ais_lightning.report.load import check_store_exists, load_runs, split_finished
-from ais_lightning.report.records import MetricNames, ReportError, RunRecord
-from ais_lightning.report.render import (
+from ais_lightning.toolkit.report.load import check_store_exists, load_runs, split_finished
+from ais_lightning.toolkit.report.records import MetricNames, ReportError, RunRecord
+from ais_lightning.toolkit.report.render import (
     LINE_STYLES,
     _line_styles,  # noqa: F401  (private, re-exported for tests that import it from here)
     format_stat,
@@ -27,7 +27,7 @@ from ais_lightning.report.render import (
     report_dict,
     write_markdown,
 )
-from ais_lightning.report.stats import (
+from ais_lightning.toolkit.report.stats import (
     COLUMNS,
     DEFAULT_GROUP_BY,
     LEGACY_GROUP_BY,
@@ -44,7 +44,7 @@ from ais_lightning.report.stats import (
     run_values,
     varying_params,
 )
-from ais_lightning.report.sweep import Report, build_report
+from ais_lightning.toolkit.report.sweep import Report, build_report
 
 __all__ = [
     "COLUMNS",

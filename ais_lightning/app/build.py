@@ -3,7 +3,7 @@
 :func:`validate` instantiates every cheap component once (task, corrector, loss, the settings of each
 group, the policy spec) with ``hydra.utils.instantiate``, makes the engine's
 :class:`~ais_lightning.rollout.EngineSpec` (its class checks its arguments once; no model is built), applies the
-rules that involve several groups (:mod:`ais_lightning.rules`), and returns the built :class:`Components`. Every
+rules that involve several groups (:mod:`ais_lightning.app.rules`), and returns the built :class:`Components`. Every
 error is a ``ValueError`` that names the config key::
 
     corrector.c_high must be >= 1 (ratio 1 = on-policy must stay in range), got 0.5 [corrector: ...TIS]
@@ -23,7 +23,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, read_write
 
-from ais_lightning import rules
+from ais_lightning.app import rules
 from ais_lightning.rollout.factory import EngineSpec
 
 GROUPS = ("policy", "rollout", "loss", "algorithm", "corrector", "task", "warmstart", "trainer", "logger")
@@ -55,7 +55,7 @@ class Components:
 
         With a warm start the initial weights are the warm start's (they are in its cache key): every RL seed
         of a sweep then shares one warm start, built from ``warmstart.seed`` (else ``seed``). Raises
-        ``ais_lightning.warmstart.WarmStartError`` when the warm start misses its band.
+        ``ais_lightning.app.warmstart.WarmStartError`` when the warm start misses its band.
         """
         enabled = self.warmstart.enabled
         init_seed = self.warmstart.seed if enabled and self.warmstart.seed is not None else seed
@@ -63,7 +63,7 @@ class Components:
         self.check_engines_on(policy.model)
         if not (warm and enabled):
             return policy, None
-        from ais_lightning.warmstart import warm_start
+        from ais_lightning.app.warmstart import warm_start
 
         result = warm_start(
             policy, policy.tokenizer, self.task, self.warmstart, seed=seed, progress_bar=progress_bar
@@ -143,14 +143,14 @@ def _explain(group: str, node: DictConfig, err: BaseException) -> str:
 def _component_kinds() -> dict[str, tuple[str, Callable[[type], bool]]]:
     """Per group, what its ``_target_`` must build: a description (with an example) and a test of the built
     object's class."""
+    from ais_lightning.app.tracking import LoggerSettings
+    from ais_lightning.app.trainer import TrainerSettings
+    from ais_lightning.app.warmstart import WarmStartSettings
     from ais_lightning.correctors import Corrector
     from ais_lightning.losses import PolicyLoss
     from ais_lightning.modules.grpo import GRPOSettings
     from ais_lightning.policy import PolicySpec
     from ais_lightning.tasks import Task
-    from ais_lightning.tracking import LoggerSettings
-    from ais_lightning.trainer import TrainerSettings
-    from ais_lightning.warmstart import WarmStartSettings
 
     def subclass(base: type) -> Callable[[type], bool]:
         return lambda cls: issubclass(cls, base)
@@ -168,11 +168,11 @@ def _component_kinds() -> dict[str, tuple[str, Callable[[type], bool]]]:
             subclass(GRPOSettings),
         ),
         "warmstart": (
-            "WarmStartSettings (ais_lightning.warmstart.WarmStartSettings)",
+            "WarmStartSettings (ais_lightning.app.warmstart.WarmStartSettings)",
             subclass(WarmStartSettings),
         ),
-        "trainer": ("TrainerSettings (ais_lightning.trainer.TrainerSettings)", subclass(TrainerSettings)),
-        "logger": ("LoggerSettings (ais_lightning.tracking.LoggerSettings)", subclass(LoggerSettings)),
+        "trainer": ("TrainerSettings (ais_lightning.app.trainer.TrainerSettings)", subclass(TrainerSettings)),
+        "logger": ("LoggerSettings (ais_lightning.app.tracking.LoggerSettings)", subclass(LoggerSettings)),
     }
 
 
@@ -237,7 +237,7 @@ def build_option(cfg: DictConfig, group: str, **runtime: Any) -> Any:
 def check_engine(cfg: DictConfig) -> EngineSpec:
     """The engine of ``cfg.rollout``: its class (a ``RolloutEngine`` subclass) with the config's arguments, checked by
     the class's ``check_args`` (once) without building a model. With an aligned trainer forward an unset
-    ``rollout.outlier_fraction`` is 0 (:func:`ais_lightning.rules.align_outlier_channels`)."""
+    ``rollout.outlier_fraction`` is 0 (:func:`ais_lightning.app.rules.align_outlier_channels`)."""
     from ais_lightning.rollout import RolloutEngine
 
     node = cfg.rollout
@@ -368,7 +368,7 @@ def _resolve_warm_start(c: Components, cfg: DictConfig) -> None:
     models), off for a pretrained checkpoint (a policy spec's ``PRETRAINED_WEIGHTS``; a user's spec without it
     counts as random). The settled value is written back to ``cfg.warmstart.enabled``, so the logged config
     names it."""
-    from ais_lightning.warmstart import resolve_enabled
+    from ais_lightning.app.warmstart import resolve_enabled
 
     pretrained = bool(c.policy.PRETRAINED_WEIGHTS)
     c.warmstart.enabled = resolve_enabled(c.warmstart.enabled, starts_pretrained=pretrained)
@@ -381,7 +381,7 @@ def validate(cfg: DictConfig) -> Components:
 
     Types and unknown keys were already checked at composition by the schemas; this builds the objects
     (whose constructors check their own arguments), the engine specs (whose classes check their arguments), and
-    applies the rules that involve several groups once (:func:`ais_lightning.rules.check_components`;
+    applies the rules that involve several groups once (:func:`ais_lightning.app.rules.check_components`;
     ``task.format=auto`` and ``algorithm.max_new_tokens=null`` are settled here from ``policy.chat_template``
     and the task, ``warmstart.enabled=auto`` from the policy option, in the components and in ``cfg``).
     Nothing heavy is built: no model, no engine.

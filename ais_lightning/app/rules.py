@@ -1,9 +1,9 @@
 """The rules between config groups of ``ais-train`` (policy x rollout x loss x corrector x algorithm x trainer).
 
-Each component checks its own arguments when it is built (``ais_lightning.build.build_option``); an engine class
-checks its arguments in ``check_args`` (run once, when ``ais_lightning.build`` makes the run's
+Each component checks its own arguments when it is built (``ais_lightning.app.build.build_option``); an engine class
+checks its arguments in ``check_args`` (run once, when ``ais_lightning.app.build`` makes the run's
 :class:`~ais_lightning.rollout.EngineSpec`). What involves two groups or more is here, run once per run by
-:func:`check_components` from ``ais_lightning.build.validate``, before any model is built; every rule reads only
+:func:`check_components` from ``ais_lightning.app.build.validate``, before any model is built; every rule reads only
 what the components declare (``RolloutEngine``, ``PolicySpec``, ``PolicyLoss``, ``GRPOSettings``), and every error
 is a ValueError naming the config keys. An algorithm adds its own rules in ``GRPOSettings.check_components``
 (Sol-RL's), which runs here too.
@@ -39,7 +39,7 @@ def align_outlier_channels(cfg: DictConfig, engine_args: dict[str, Any]) -> None
 
 
 def check_components(c: Any, cfg: DictConfig) -> None:
-    """Every rule between config groups, on the built components ``c`` (``ais_lightning.build.Components``: the
+    """Every rule between config groups, on the built components ``c`` (``ais_lightning.app.build.Components``: the
     policy spec, the engine specs, the loss, the corrector, the settings) and the composed ``cfg`` (for naming
     targets); ValueError naming the keys."""
     _check_outlier_channels(c)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from ais_lightning.report.records import MetricNames, ReportError, RunRecord
+from ais_lightning.toolkit.report.records import MetricNames, ReportError, RunRecord
 
 
 def _client(tracking_uri: str) -> Any:

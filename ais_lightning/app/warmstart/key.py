@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from ais_lightning.app.warmstart.settings import WarmStartSettings
 from ais_lightning.policy import Policy
 from ais_lightning.tasks import Task
-from ais_lightning.warmstart.settings import WarmStartSettings
 
 __all__ = [
     "CACHE_VERSION",

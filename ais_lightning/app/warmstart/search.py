@@ -1,6 +1,6 @@
 """The band search: SFT in segments until the greedy accuracy lies in the target band, backing off on a jump.
 
-See :mod:`ais_lightning.warmstart` for the procedure and why it stops on a band rather than a step count.
+See :mod:`ais_lightning.app.warmstart` for the procedure and why it stops on a band rather than a step count.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from ais_lightning.app.warmstart.evaluate import GreedyAccuracy
+from ais_lightning.app.warmstart.settings import WarmStartSettings
 from ais_lightning.modules.sft import SFTModule, warmup_factor
 from ais_lightning.policy import Policy
 from ais_lightning.tasks import PromptDataModule, Task
-from ais_lightning.warmstart.evaluate import GreedyAccuracy
-from ais_lightning.warmstart.settings import WarmStartSettings
 
 __all__ = ["WarmStartError", "train_warm_start"]
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ais_lightning.report.load import load_runs, split_finished
-from ais_lightning.report.records import MetricNames, ReportError, RunRecord
-from ais_lightning.report.render import _slug, plot_metric, report_dict, write_markdown
-from ais_lightning.report.stats import (
+from ais_lightning.toolkit.report.load import load_runs, split_finished
+from ais_lightning.toolkit.report.records import MetricNames, ReportError, RunRecord
+from ais_lightning.toolkit.report.render import _slug, plot_metric, report_dict, write_markdown
+from ais_lightning.toolkit.report.stats import (
     PER_RUN_PARAMS,
     PLOTTED,
     Row,
@@ -62,7 +62,7 @@ def build_report(
     ``extra_plots``: further metric keys (e.g. ``ais/severity``) plotted vs step like the
     PLOTTED ones, one PNG each named after the key. ``precision_key`` / ``corrector_key`` (default:
     ``rollout`` / ``corrector``, or the legacy params for older stores): the params whose values ``baseline_precision`` / ``no_correction`` mark the reference rows of the
-    gap-recovered column (see :mod:`ais_lightning.report.stats`); any other params group as well.
+    gap-recovered column (see :mod:`ais_lightning.toolkit.report.stats`); any other params group as well.
     """
     names = metric_names or MetricNames()
     plotted_keys = {getattr(names, fname) for fname, _, _ in PLOTTED}

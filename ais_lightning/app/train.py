@@ -23,7 +23,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ais_lightning.config import register_configs
+from ais_lightning.app.config import register_configs
 
 register_configs()
 if not OmegaConf.has_resolver("pid"):
@@ -33,7 +33,7 @@ if not OmegaConf.has_resolver("pid"):
     # by other processes (joblib, SLURM) get the parent's id, not their own: one sweep directory, one store.
     OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
 
-log = logging.getLogger("ais_lightning.train")  # also when run as __main__
+log = logging.getLogger("ais_lightning.app.train")  # also when run as __main__
 
 EXIT_CODES = {"sigterm": 143, "sigint": 130}
 """Exit codes of an interrupted run (128 + the signal number, as shells report them)."""
@@ -45,19 +45,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     Cheap checks come first (every component validated, the output directory and the tracking store checked,
     the checkpoint to resume from found and verified), then the policy is built and warm-started, and the
     Trainer validates and fits. A run that ends with an error leaves its MLflow run FAILED; a full disk ends it
-    with ``SystemExit`` naming the file (:func:`ais_lightning.failures.failure_handling`).
+    with ``SystemExit`` naming the file (:func:`ais_lightning.app.failures.failure_handling`).
     """
     import lightning as L
     import torch
 
-    from ais_lightning.build import validate
-    from ais_lightning.failures import failure_handling
-    from ais_lightning.noise import silence_known_noise
-    from ais_lightning.resume import Resume
-    from ais_lightning.signals import SigtermGuard
-    from ais_lightning.summary import report_run
-    from ais_lightning.tracking import build_logger, check_tracking_uri, check_writable, log_run_start
-    from ais_lightning.trainer import build_trainer, validate_and_fit
+    from ais_lightning.app.build import validate
+    from ais_lightning.app.failures import failure_handling
+    from ais_lightning.app.noise import silence_known_noise
+    from ais_lightning.app.resume import Resume
+    from ais_lightning.app.signals import SigtermGuard
+    from ais_lightning.app.summary import report_run
+    from ais_lightning.app.tracking import build_logger, check_tracking_uri, check_writable, log_run_start
+    from ais_lightning.app.trainer import build_trainer, validate_and_fit
 
     silence_known_noise()  # also in joblib workers, where main() does not run
     with failure_handling(cfg) as opened:
@@ -99,7 +99,7 @@ def _hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     """Console-script entry point (``ais-train``)."""
-    from ais_lightning.noise import silence_known_noise
+    from ais_lightning.app.noise import silence_known_noise
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     silence_known_noise()

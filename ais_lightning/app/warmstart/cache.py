@@ -3,7 +3,7 @@
 An entry holds ``policy.pt`` and ``meta.json``, each with a SHA-256 sidecar (:mod:`ais_lightning.files`),
 built under a temporary name and published by one atomic rename; a corrupt or incomplete one is named in a
 warning, discarded and rebuilt. (The lock that makes concurrent runs build an entry once is
-:func:`ais_lightning.files.entry_lock`, taken by :func:`ais_lightning.warmstart.warm_start`.)
+:func:`ais_lightning.files.entry_lock`, taken by :func:`ais_lightning.app.warmstart.warm_start`.)
 """
 
 from __future__ import annotations

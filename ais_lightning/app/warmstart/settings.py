@@ -25,7 +25,7 @@ _SFT_DEFAULTS = {
 class WarmStartSettings:
     """Every setting of the supervised warm start (the schema of the ``warmstart`` config group).
 
-    See :mod:`ais_lightning.warmstart` for the procedure. Every field except ``enabled`` and ``cache_dir`` is
+    See :mod:`ais_lightning.app.warmstart` for the procedure. Every field except ``enabled`` and ``cache_dir`` is
     part of the cache key.
     """
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ais_lightning.app.tracking import is_mlflow, reopen_run
 from ais_lightning.files import CorruptFileError, VerifiedCheckpointIO, hash_path, verify_file
-from ais_lightning.tracking import is_mlflow, reopen_run
 
-log = logging.getLogger("ais_lightning.train")  # the run's own logger: resume messages read as the run's
+log = logging.getLogger("ais_lightning.app.train")  # the run's own logger: resume messages read as the run's
 
 
 @dataclass

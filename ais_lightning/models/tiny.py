@@ -21,8 +21,10 @@ DEFAULT_ATTN_IMPLEMENTATION = "eager"
 the row alone; ``sdpa`` is off by ~5e-7) at about the speed of ``sdpa`` for this model size on CPU (measured: within ~10% either way)."""
 
 
-def tiny_qwen3_config(vocab_size: int = CHAR_VOCAB_SIZE, **overrides: Any) -> Qwen3Config:
-    """Config of the tiny Qwen3; any ``Qwen3Config`` field can be overridden by keyword."""
+def tiny_qwen3_fields(vocab_size: int, overrides: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The tiny Qwen3's config fields shared by the dense and the mixture-of-experts model (attention, sizes,
+    RoPE, tied embeddings, the character tokenizer's ids) and the ``attn_implementation`` popped from
+    ``overrides`` (which this validates with ``vocab_size``)."""
     if vocab_size < CHAR_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be >= {CHAR_VOCAB_SIZE} (the char tokenizer's size), got {vocab_size}"
@@ -30,7 +32,7 @@ def tiny_qwen3_config(vocab_size: int = CHAR_VOCAB_SIZE, **overrides: Any) -> Qw
     attn_implementation = overrides.pop("attn_implementation", DEFAULT_ATTN_IMPLEMENTATION)
     if attn_implementation not in ("eager", "sdpa"):
         raise ValueError(f"attn_implementation must be 'eager' or 'sdpa', got {attn_implementation!r}")
-    kwargs: dict[str, Any] = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=384,
@@ -51,6 +53,12 @@ def tiny_qwen3_config(vocab_size: int = CHAR_VOCAB_SIZE, **overrides: Any) -> Qw
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
     )
+    return fields, attn_implementation
+
+
+def tiny_qwen3_config(vocab_size: int = CHAR_VOCAB_SIZE, **overrides: Any) -> Qwen3Config:
+    """Config of the tiny Qwen3; any ``Qwen3Config`` field can be overridden by keyword."""
+    kwargs, attn_implementation = tiny_qwen3_fields(vocab_size, overrides)
     kwargs.update(overrides)
     config = Qwen3Config(**kwargs)
     config._attn_implementation = attn_implementation

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from ais_lightning.models.tiny import DEFAULT_ATTN_IMPLEMENTATION
-from ais_lightning.models.tokenizer import BOS_TOKEN_ID, CHAR_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from ais_lightning.models.tiny import tiny_qwen3_fields
+from ais_lightning.models.tokenizer import CHAR_VOCAB_SIZE
 
 DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
 """Hugging Face's per-expert loop: exactly the routed tokens of each expert through its weights."""
@@ -30,42 +30,17 @@ DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
 def tiny_qwen3_moe_config(vocab_size: int = CHAR_VOCAB_SIZE, **overrides: Any) -> Qwen3MoeConfig:
     """Config of the tiny Qwen3-MoE; any ``Qwen3MoeConfig`` field can be overridden by keyword
     (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``mlp_only_layers``, ...)."""
-    if vocab_size < CHAR_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size must be >= {CHAR_VOCAB_SIZE} (the char tokenizer's size), got {vocab_size}"
-        )
-    attn_implementation = overrides.pop("attn_implementation", DEFAULT_ATTN_IMPLEMENTATION)
-    if attn_implementation not in ("eager", "sdpa"):
-        raise ValueError(f"attn_implementation must be 'eager' or 'sdpa', got {attn_implementation!r}")
+    kwargs, attn_implementation = tiny_qwen3_fields(vocab_size, overrides)
     experts_implementation = overrides.pop("experts_implementation", DEFAULT_EXPERTS_IMPLEMENTATION)
-    kwargs: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,  # dense MLP width of any layer listed in mlp_only_layers
-        moe_intermediate_size=96,
+    kwargs.update(
+        moe_intermediate_size=96,  # intermediate_size: the dense MLP width of any layer in mlp_only_layers
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        hidden_act="silu",
-        max_position_embeddings=512,
-        initializer_range=0.02,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False,
-        attention_dropout=0.0,
-        use_sliding_window=False,
         output_router_logits=False,
         router_aux_loss_coef=0.0,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
     )
     kwargs.update(overrides)
     if not 1 <= int(kwargs["num_experts_per_tok"]) <= int(kwargs["num_experts"]):

@@ -100,6 +100,22 @@ class Policy(nn.Module):
     The decoder body and the chunked head are called directly rather than through ``model.forward``; when
     ``policy.model`` is an FSDP module that computation is registered as one of its forward methods
     (``register_fsdp_forward_method``), so embeddings, final norm and lm_head are gathered for it.
+
+    Example:
+        >>> import torch
+        >>> from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
+        >>> from ais_lightning.policy import Policy
+        >>> from ais_lightning.rollout import SamplingConfig
+        >>> policy = Policy(build_tiny_qwen3(seed=0), build_char_tokenizer())
+        >>> engine = policy.build_engine("fp32")  # a rollout engine on a copy of the weights
+        >>> batch = engine.generate(policy.encode_prompts(["1+2="]), SamplingConfig(n=2, max_new_tokens=4, seed=0))
+        >>> with torch.no_grad():
+        ...     scored = policy.batch_logprobs(batch, temperature=1.0, compute_entropy=True)
+        >>> scored.logprobs.shape, scored.entropy.shape  # log pi and the entropy of each response token [n, T]
+        (torch.Size([2, 4]), torch.Size([2, 4]))
+        >>> bool((scored.logprobs - batch.rollout_logprobs)[batch.response_mask].abs().max() < 1e-4)  # same weights
+        True
+        >>> engine.sync_weights(policy.full_state_dict())  # full, unsharded (name, tensor) pairs, e.g. after a step
     """
 
     MODEL_FAMILY: ClassVar[str] = "autoregressive"

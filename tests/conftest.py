@@ -14,3 +14,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def int8_isa(request, monkeypatch):
+    """Run the test as on a CPU with AVX512-VNNI and as on one with AVX2 only: the probe of the CPU's int8 kernels
+    (``ais_lightning.quant.cpu_int8.cpu_int8_isa``, which picks the default int8 backend and recipe) forced through
+    ``AIS_LIGHTNING_INT8_ISA``. Every backend computes the same numbers on any x86 CPU (only their speed depends on
+    it), so both cases run here whatever this CPU is; ``avx2`` needs fbgemm (an x86 CPU)."""
+    from ais_lightning.quant.cpu_int8 import INT8_ISA_ENV, fbgemm_available
+
+    if request.param == "avx2" and not fbgemm_available():
+        pytest.skip("fbgemm's kernels need an x86 CPU with AVX2")
+    monkeypatch.setenv(INT8_ISA_ENV, request.param)
+    return request.param

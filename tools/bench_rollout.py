@@ -255,7 +255,8 @@ def weight_bytes(*modules: nn.Module) -> int:
     """Bytes of the unique tensors of ``modules``: parameters, buffers and tensors kept as plain attributes
     (e.g. ``QuantLinear``'s cached fake-quantized weights).
 
-    fbgemm's packed int8 weights are opaque objects and are counted from their shape (1 byte/weight).
+    fbgemm's packed int8 weights are opaque objects and are counted from their shape (1 byte/weight), plus the
+    excess codes kept beside them (``ais_lightning.quant.cpu_int8.FbgemmWeight``).
     """
     seen, total = set(), 0
     for module in modules:
@@ -266,8 +267,11 @@ def weight_bytes(*modules: nn.Module) -> int:
                 if key not in seen:
                     seen.add(key)
                     total += t.untyped_storage().nbytes()
-            if getattr(m, "_packed", None) is not None:
-                total += m.weight.numel()
+            fbgemm = getattr(m, "weight_fbgemm", None)
+            if fbgemm is not None:
+                total += m.weight.numel() + sum(
+                    t.untyped_storage().nbytes() for t in (fbgemm.excess_index, fbgemm.excess_codes)
+                )
     return total
 
 

@@ -120,11 +120,24 @@ def _check_correction(c: Any, cfg: DictConfig) -> None:
 
 
 def _check_integer_gemm(c: Any) -> None:
+    """A CPU-only integer GEMM beside a GPU trainer is refused; int8 rollouts left to run emulated on a CPU with no
+    integer GEMM are warned about (slower than fp32 rollouts there)."""
+    from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS, cpu_int8_isa
+
     checked = c.engine.checked_arguments
-    if c.trainer.on_gpu() and checked.get("backend") == "int8" and checked.get("device") != "cpu":
+    backend = checked.get("backend")
+    chosen = c.engine.keywords.get("backend") is not None
+    if checked.get("precision") == "int8" and backend == "emulate" and not chosen and not c.trainer.on_gpu():
+        log.warning(
+            "rollout.precision=int8 runs emulated (exact numerics, slower than fp32 rollouts): this CPU has no "
+            "integer GEMM torch runs fast (int8 kernels: %s; docs/engines.md)",
+            cpu_int8_isa(),
+        )
+    if c.trainer.on_gpu() and backend in INTEGER_BACKENDS and checked.get("device") != "cpu":
         raise ValueError(
-            "rollout.backend=int8 (the integer W8A8 GEMM) runs on CPU; with a GPU trainer pick rollout.backend="
-            "emulate, rollout=bf16/fp8_gemm/te_fp8/vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
+            f"rollout.backend={backend} (the integer W8A8 GEMM, the CPU's default for rollout.precision=int8) runs on "
+            "CPU; with a GPU trainer pick rollout.backend=emulate, rollout=bf16/fp8_gemm/te_fp8/vllm_fp8, or keep "
+            "the int8 engine on the CPU with rollout.device=cpu"
         )
 
 

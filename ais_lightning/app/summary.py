@@ -269,9 +269,18 @@ def report_run(
 
 
 def describe_engine(engine: Any) -> str:
-    """``TorchRolloutEngine int8 (lean forward)``: the engine class, its precision and, for the torch engine,
-    the forward it ran (``model_impl``); "not built" before setup."""
+    """``TorchRolloutEngine int8 (backend fbgemm: fbgemm's int8 GEMM; lean forward)``: the engine class, its
+    precision, the quantization backend that ran it (what runs its products) and, for the torch engine, the forward
+    it ran (``model_impl``); "not built" before setup."""
     if engine is None:
         return "not built"
+    from ais_lightning.quant.linear import BACKEND_KERNELS
+
+    details = []
+    backend = getattr(engine, "backend", None)
+    if backend is not None:
+        details.append(f"backend {backend}: {BACKEND_KERNELS.get(backend, backend)}")
+    if engine.model_impl:
+        details.append(f"{engine.model_impl} forward")
     text = f"{type(engine).__name__} {engine.precision or ''}".strip()
-    return f"{text} ({engine.model_impl} forward)" if engine.model_impl else text
+    return f"{text} ({'; '.join(details)})" if details else text

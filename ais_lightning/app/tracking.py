@@ -341,6 +341,20 @@ def option_choices() -> dict[str, str]:
     return {}
 
 
+def engine_params(engine: Any) -> dict[str, str]:
+    """``{"engine/precision": "int8", "engine/backend": "fbgemm", "engine/cpu_int8": "avx2"}``: the precision and
+    quantization backend the rollout engine runs, as its class resolved them on this host (``rollout.backend=null``
+    is the CPU's fastest exact kernel), and what the CPU multiplies int8 with
+    (:func:`ais_lightning.quant.cpu_int8.cpu_int8_isa`); {} without an engine spec."""
+    checked = getattr(engine, "checked_arguments", None)
+    if checked is None:
+        return {}
+    from ais_lightning.quant.cpu_int8 import cpu_int8_isa
+
+    params = {f"engine/{key}": str(checked[key]) for key in ("precision", "backend") if key in checked}
+    return {**params, "engine/cpu_int8": cpu_int8_isa()}
+
+
 def is_mlflow(logger: Any) -> bool:
     """Whether ``logger`` is Lightning's MLflow logger: run-level calls (status, tags, artifacts) apply to it only."""
     from lightning.pytorch.loggers import MLFlowLogger
@@ -348,11 +362,12 @@ def is_mlflow(logger: Any) -> bool:
     return isinstance(logger, MLFlowLogger)
 
 
-def log_run_start(logger: Any, cfg: DictConfig, warm: Any = None) -> None:
-    """A new run's record: the composed config and the option picked in each group as params, and the warm
-    start's accuracy and steps at step 0 (``warm``: a ``WarmStartResult``; the start the run's gains are
+def log_run_start(logger: Any, cfg: DictConfig, warm: Any = None, engine: Any = None) -> None:
+    """A new run's record: the composed config, the option picked in each group and what the rollout engine runs
+    on this host (``engine``: its :class:`~ais_lightning.rollout.EngineSpec`, :func:`engine_params`) as params, and
+    the warm start's accuracy and steps at step 0 (``warm``: a ``WarmStartResult``; the start the run's gains are
     measured from)."""
-    logger.log_hyperparams({**flatten_config(cfg), **option_choices()})
+    logger.log_hyperparams({**flatten_config(cfg), **option_choices(), **engine_params(engine)})
     if warm is not None:
         logger.log_metrics({"warmstart/accuracy": warm.accuracy, "warmstart/steps": warm.steps}, step=0)
 

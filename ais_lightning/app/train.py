@@ -83,7 +83,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if resume.continues(logger):
                 resume.reopen(logger)
             elif logger:  # a new run (also a resume sent to another store explicitly)
-                log_run_start(logger, cfg, warm)
+                log_run_start(logger, cfg, warm, c.engine)
             status, recovered = validate_and_fit(trainer, module, data, resume, guard, logger)
             summary = report_run(cfg, c, trainer, module, logger, warm, resume, status, recovered, started)
         if status != "finished":

@@ -6,11 +6,14 @@ Backends:
   (cached) and the input activation (dynamic, every forward), then an fp32/bf16 ``F.linear``.
   This is how FP8/FP4 rollouts are emulated on CPU (FP8-RL, arXiv 2601.18150; QeRL/QaRL-style
   fake quantization).
-- ``"int8"`` (CPU): the ``int8`` recipe on an integer GEMM, :func:`int8_linear`: the activation
-  quantized per token (symmetric, scale ``amax / 127``), the weight per output channel, their product
-  accumulated exactly in int32 by ``torch._int_mm`` (oneDNN; fast where the CPU has VNNI int8 dot
-  products, :func:`int8_gemm_is_fast`) and scaled back in fp32. The integers are the emulated recipe's,
-  so the two backends agree up to fp32 rounding. Only with the ``int8`` recipe.
+- ``"int8"`` (CPU): the ``int8`` recipe on an integer GEMM, :func:`~ais_lightning.quant.cpu_int8.int8_linear`:
+  the activation quantized per token (symmetric, scale ``amax / 127``), the weight per output channel, their
+  product accumulated exactly in int32 by ``torch._int_mm`` (oneDNN; fast where the CPU has AVX512-VNNI) and
+  scaled back in fp32. The integers are the emulated recipe's, so the two backends agree up to fp32 rounding.
+  Only with the ``int8`` recipe.
+- ``"fbgemm"`` (CPU): the same recipe and integers on fbgemm's GEMM, fast on every x86 CPU with AVX2
+  (:func:`~ais_lightning.quant.cpu_int8.fbgemm_linear`: the weight's adjacent pairs capped where its AVX2 kernel
+  would saturate, the rest in a sparse product). Which backend is fast on which CPU: :mod:`.cpu_int8`.
 - ``"fp8_gemm"`` (CUDA): the real FP8 GEMM, ``torch._scaled_mm`` on E4M3 data. Recipes ``fp8_tensor``
   (per-tensor scales) and ``fp8_channel`` (per-row: weight per output channel, activation per token) run
   wherever ``_scaled_mm`` has them (compute capability >= 8.9); ``fp8`` / ``fp8_block`` run the
@@ -52,13 +55,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_int8 import (
+    INTEGER_BACKENDS,
+    fbgemm_available,
+    fbgemm_linear,
+    fbgemm_weight_operands,
+    int8_linear,
+    int8_weight_operands,
+)
 from .ocs import merge_split, ocs_split
 from .outliers import InputRange
 from .recipes import QuantRecipe, get_recipe
-from .scaling import SCALE_FLOOR, fake_quantize, quantize
+from .scaling import fake_quantize, quantize
 
-BACKENDS = ("emulate", "int8", "fp8_gemm")
+BACKENDS = ("emulate", "int8", "fbgemm", "fp8_gemm")
 """Known QuantLinear backends."""
+BACKEND_KERNELS = {
+    "emulate": "fake quantization, float GEMMs",
+    "int8": "torch._int_mm, oneDNN's int8 GEMM",
+    "fbgemm": "fbgemm's int8 GEMM",
+    "fp8_gemm": "torch._scaled_mm, an FP8 GEMM",
+}
+"""What runs each backend's products (logs and run summaries)."""
 
 DEFAULT_SKIP = ("embed", "lm_head", "norm")
 """Module-name substrings kept in high precision by :func:`quantize_model` when ``skip=None``."""
@@ -68,55 +86,6 @@ FP8_GEMM_RECIPES = ("fp8_tensor", "fp8_channel", "fp8_block")
 scales of ``torch._scaled_mm``."""
 FP8_GEMM_BLOCKWISE = ("fp8_block",)
 """``fp8_gemm`` recipes that need the blockwise (1x128 x 128x128) ``_scaled_mm``: Hopper, CUDA >= 12.9."""
-
-
-def int8_gemm_is_fast() -> bool:
-    """Whether this CPU has VNNI int8 dot products (AVX512-VNNI / AVX-VNNI), where ``torch._int_mm`` runs
-    through oneDNN's int8 kernels; elsewhere it may fall back to a slow reference loop."""
-    probe = getattr(torch.cpu, "_is_vnni_supported", None)
-    return bool(probe()) if probe is not None else False
-
-
-def default_int8_backend() -> str:
-    """The backend that runs the ``int8`` recipe fastest here: ``"int8"`` (integer GEMM) where
-    :func:`int8_gemm_is_fast`, else ``"emulate"`` (the same numerics in fp32)."""
-    return "int8" if int8_gemm_is_fast() else "emulate"
-
-
-def int8_weight_operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mat2, scale)`` of :func:`int8_linear` from ``weight [N, K]``: int8 per output channel (symmetric,
-    scale ``amax / 127``), ``mat2`` ``[K, N]`` column-major (the transpose of the contiguous ``[N, K]``
-    codes), ``scale`` ``[N]`` float32."""
-    q = quantize(weight.detach(), "int8", "channel", name="weight")
-    return q.data.contiguous().t(), q.scale.reshape(-1)
-
-
-def int8_linear(
-    x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ W.T + bias`` as the ``int8`` recipe on an integer GEMM; ``x [..., K]`` float.
-
-    The activation is quantized per token exactly as the emulated recipe does
-    (:func:`ais_lightning.quant.scaling.quantize` with ``("int8", "token")``), multiplied by the int8
-    weight ``weight_t [K, N]`` (:func:`int8_weight_operands`) with exact int32 accumulation
-    (``torch._int_mm``), and scaled by ``scale_x [M, 1] * weight_scale [N]`` in fp32.
-    """
-    k = x.shape[-1]
-    codes, scale = int8_per_token(x.reshape(-1, k))  # [M, K] int8, [M, 1]
-    y = torch._int_mm(codes, weight_t).float()  # [M, N] int32 -> fp32
-    y = y.mul_(scale).mul_(weight_scale)
-    if bias is not None:
-        y = y.add_(bias.float())
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight_t.shape[1])
-
-
-def int8_per_token(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize(x2d, "int8", "token")``'s codes ``[M, K]`` and scales ``[M, 1]``, bit for bit, in fewer kernels
-    (the decode step calls it once per linear): scale ``max(amax / 127, SCALE_FLOOR)``, codes ``round(x / scale)``."""
-    x2d = x2d.float()
-    scale = x2d.abs().amax(dim=-1, keepdim=True).div_(127.0).clamp_(min=SCALE_FLOOR)  # [M, 1]
-    codes = torch.round(x2d / scale).clamp_(-127, 127).to(torch.int8)  # [M, K]
-    return codes, scale
 
 
 def fp8_gemm_requirement(
@@ -314,6 +283,7 @@ class QuantLinear(nn.Linear):
         # stay out of state dicts and weight syncs; a device move changes the stamp and re-derives them).
         self.weight_fq: torch.Tensor | None = None  # emulate: fake-quantized weight [N, K] (OCS: [N, K + S])
         self.weight_q_t: torch.Tensor | None = None  # int8 / fp8_gemm: [K, N] col-major codes
+        self.weight_fbgemm = None  # fbgemm: its prepacked weight and the sparse excess (FbgemmWeight)
         self.weight_q_scale: torch.Tensor | None = None  # int8: [N]; fp8_gemm: [], [1, N] or [L4, N/128]
         self.ocs_index: torch.Tensor | None = None  # emulate + OCS: [K + S] input column of each split column
         self.ocs_channels: torch.Tensor | None = None  # emulate + OCS: [S] split input channels
@@ -343,12 +313,21 @@ class QuantLinear(nn.Linear):
                 f"recipe {recipe.name!r} splits outlier channels (ocs_ratio={recipe.ocs_ratio}), which only "
                 f"backend 'emulate' runs, got backend {backend!r}"
             )
-        if backend == "int8" and recipe.name != "int8":
-            raise ValueError(
-                f"backend 'int8' (integer W8A8 GEMM) only runs the 'int8' recipe, got {recipe.name!r}"
-            )
-        if backend == "int8" and self.weight.device.type != "cpu":
-            raise ValueError(f"backend 'int8' runs on CPU (torch._int_mm), weight is on {self.weight.device}")
+        if backend in INTEGER_BACKENDS:
+            kernel = "torch._int_mm" if backend == "int8" else "fbgemm"
+            if recipe.name != "int8":
+                raise ValueError(
+                    f"backend {backend!r} (integer W8A8 GEMM) only runs the 'int8' recipe, got {recipe.name!r}"
+                )
+            if self.weight.device.type != "cpu":
+                raise ValueError(
+                    f"backend {backend!r} runs on CPU ({kernel}), weight is on {self.weight.device}"
+                )
+            if backend == "fbgemm" and not fbgemm_available():
+                raise ValueError(
+                    "backend 'fbgemm' needs fbgemm's quantized kernels (an x86 CPU with AVX2); this torch build "
+                    f"has {torch.backends.quantized.supported_engines}: use backend 'emulate'"
+                )
         if backend == "fp8_gemm":
             if recipe.name not in FP8_GEMM_RECIPES:
                 raise ValueError(
@@ -438,6 +417,8 @@ class QuantLinear(nn.Linear):
             self.ocs_index = self.ocs_channels = None
         elif self.backend == "int8":
             self.weight_q_t, self.weight_q_scale = int8_weight_operands(weight)
+        elif self.backend == "fbgemm":
+            self.weight_fbgemm = fbgemm_weight_operands(weight)
         elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [L4, N/128]
             q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
             self.weight_q_t, self.weight_q_scale = blockwise_weight_operands(q.data, q.scale)
@@ -472,6 +453,8 @@ class QuantLinear(nn.Linear):
         r = self.recipe
         if self.backend == "int8":
             return int8_linear(x, self.weight_q_t, self.weight_q_scale, self.bias)
+        if self.backend == "fbgemm":
+            return fbgemm_linear(x, self.weight_fbgemm, self.bias)
         if self.backend == "fp8_gemm":
             return scaled_mm_linear(
                 x, self.weight_q_t, self.weight_q_scale, self.bias, r.act_fmt, r.act_scaling

@@ -52,7 +52,7 @@ from torch import nn
 
 from ais_lightning.checks import check_int
 from ais_lightning.ops import logprobs_from_logits, pad_sequences
-from ais_lightning.quant.linear import default_int8_backend
+from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS, default_int8_backend
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, context_length
 from ais_lightning.rollout.sampling import make_generator, sample_next
@@ -71,10 +71,11 @@ DIFFUSION_PRECISIONS = ("fp32", "bf16", "fp8", "fp4", "int8")
 """Weight/activation precisions (the torch engine's: bf16 cast, or ``ais_lightning.quant`` recipes)."""
 REMASKING = ("low_confidence", "random")
 """LLaDA's remasking strategies: which of the step's candidates are kept."""
-QUANT_BACKENDS = ("emulate", "int8")
+QUANT_BACKENDS = ("emulate", *INTEGER_BACKENDS)
 """``ais_lightning.quant.quantize_model`` backends this engine runs."""
-_DEFAULT_BACKEND = {"fp8": "emulate", "fp4": "emulate", "int8": default_int8_backend()}
-"""The quantization backend of each quantized precision when ``backend`` is None (as the torch engine)."""
+_DEFAULT_BACKEND = {"fp8": "emulate", "fp4": "emulate", "int8": None}
+"""The quantization backend of each quantized precision when ``backend`` is None (as the torch engine; None: this
+CPU's fastest exact integer GEMM, :func:`ais_lightning.quant.cpu_int8.default_int8_backend`)."""
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,9 @@ class DiffusionRolloutEngine(RolloutEngine):
             ``config.mask_token_id`` unless ``mask_token_id`` is given. It is deep-copied; the caller's
             module is never modified.
         precision: ``fp32`` | ``bf16`` | ``fp8`` (blockwise E4M3 W8A8) | ``fp4`` (NVFP4) | ``int8``.
-        backend: quantization backend for fp8/fp4/int8 (``"emulate"`` or ``"int8"`` = the integer W8A8 GEMM, int8
-            only); None: fp8/fp4 -> emulate, int8 -> the integer GEMM where the CPU has VNNI, else emulate
-            (the torch engine's choices).
+        backend: quantization backend for fp8/fp4/int8 (``"emulate"``, or an integer W8A8 GEMM for int8:
+            ``"int8"`` = ``torch._int_mm``, ``"fbgemm"``); None: fp8/fp4 -> emulate, int8 -> the fastest exact
+            backend of this CPU (the torch engine's choices).
         steps: denoising steps for the whole response; None = one per response token
             (see :func:`denoising_schedule`).
         block_length: positions per semi-autoregressive block; None = the whole response is one block.
@@ -262,11 +263,13 @@ class DiffusionRolloutEngine(RolloutEngine):
                 raise ValueError(
                     f"{name}: backend={backend!r} is not supported; backend must be one of {list(QUANT_BACKENDS)}"
                 )
-            if backend == "int8" and precision != "int8":
+            if backend in INTEGER_BACKENDS and precision != "int8":
                 raise ValueError(
-                    f"{name}: backend='int8' (integer GEMM) only runs precision='int8', got precision={precision!r}"
+                    f"{name}: backend={backend!r} (integer GEMM) only runs precision='int8', got precision={precision!r}"
                 )
-        args["backend"] = backend if backend is not None else _DEFAULT_BACKEND.get(precision)
+        if backend is None:
+            backend = default_int8_backend() if precision == "int8" else _DEFAULT_BACKEND.get(precision)
+        args["backend"] = backend
         for arg in ("steps", "block_length"):
             if args[arg] is not None and not _is_int(args[arg], 1):
                 raise ValueError(f"{name}: {arg} must be None or an int >= 1, got {args[arg]!r}")

@@ -33,7 +33,8 @@ from torch import nn
 
 from ais_lightning.models.head import Float32Head, check_head_dtype
 from ais_lightning.models.routing import RoutingRecorder, moe_routers, routing_dtype
-from ais_lightning.quant.linear import default_int8_backend
+from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS, cpu_int8_isa, default_int8_backend
+from ais_lightning.quant.linear import BACKEND_KERNELS
 from ais_lightning.quant.outliers import OutlierCalibration, check_fraction
 from ais_lightning.quant.recipes import NESTED_INT_RECIPES
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
@@ -81,7 +82,7 @@ MODEL_IMPLS = ("auto", "lean", "transformers")
 """How the engine runs the model: ``lean`` (its own Llama-family forward over a preallocated KV cache,
 :data:`ais_lightning.rollout.torch_model.LEAN_MODEL_TYPES`), ``transformers`` (the model's Hugging Face
 forward and cache: any causal LM), ``auto`` (lean where it applies, else transformers)."""
-QUANT_BACKENDS = ("emulate", "int8", "fp8_gemm")
+QUANT_BACKENDS = ("emulate", "int8", "fbgemm", "fp8_gemm")
 """``ais_lightning.quant.quantize_model`` backends."""
 FP8_GEMM_PRECISIONS = ("fp8", "fp8_tensor", "fp8_channel")
 """Precisions ``backend="fp8_gemm"`` (``torch._scaled_mm``) runs; requirements:
@@ -92,11 +93,12 @@ _DEFAULT_BACKEND = {
     "fp8_tensor": "emulate",
     "fp8_channel": "emulate",
     "fp4": "emulate",
-    "int8": default_int8_backend(),
+    "int8": None,
     **dict.fromkeys(NESTED_INT_RECIPES, "emulate"),
 }
-"""The quantization backend of each quantized precision when ``backend`` is None (int8: the integer GEMM where
-the CPU has VNNI int8 dot products, else the same numerics emulated)."""
+"""The quantization backend of each quantized precision when ``backend`` is None; None (int8): the fastest exact
+integer GEMM of this CPU, probed when an engine is checked (:func:`ais_lightning.quant.cpu_int8.default_int8_backend`:
+``torch._int_mm`` with AVX512-VNNI, fbgemm on other x86 CPUs, else the same numerics emulated)."""
 DEFAULT_OUTLIER_FRACTION = {"int8": 0.1, "fp8": 0.05}
 """Fraction of every quantized linear's input channels kept in high precision when ``outlier_fraction`` is None
 (:mod:`ais_lightning.quant.outliers`); other precisions quantize every channel by default."""
@@ -189,9 +191,10 @@ def _check_engine_device(name: str, device: Any, backend: str | None, precision:
         if dev.type == "cuda":
             dev = cuda_device(device, name)
         device = str(dev)
-        if backend == "int8" and dev.type != "cpu":
+        if backend in INTEGER_BACKENDS and dev.type != "cpu":
             raise ValueError(
-                f"device={device!r}: backend='int8' (integer GEMM) runs on CPU only in {name}; use device='cpu' or backend='emulate'"
+                f"device={device!r}: backend={backend!r} (integer GEMM) runs on CPU only in {name}; use device='cpu' "
+                "or backend='emulate'"
             )
     if backend != "fp8_gemm":
         return device
@@ -223,11 +226,13 @@ class TorchRolloutEngine(RolloutEngine):
             (NVFP4) | ``int8`` | ... (:data:`PRECISIONS`).
         kv_cache_dtype: None or ``"auto"`` (model dtype), or ``"fp8"`` (E4M3 fake-quantized, per-head scales).
         backend: quantization backend for fp8/fp4/int8: ``"emulate"`` (exact-numerics fake
-            quantization, any device), ``"int8"`` (the int8 recipe on an integer GEMM, ``torch._int_mm``:
-            the CPU speed path where the CPU has VNNI; same numerics as ``emulate``; int8 only) or
+            quantization, any device), ``"int8"`` / ``"fbgemm"`` (the int8 recipe on an integer GEMM, CPU only:
+            ``torch._int_mm``, fast where the CPU has AVX512-VNNI, or fbgemm's, fast on any x86 CPU with AVX2; same
+            numerics as ``emulate``; int8 only) or
             ``"fp8_gemm"`` (the real FP8 GEMM, ``torch._scaled_mm``, CUDA: ``fp8_tensor`` and ``fp8_channel``
             on compute capability >= 8.9, blockwise ``fp8`` on Hopper with CUDA >= 12.9; checked by
-            :meth:`check_args`). None: fp8/fp4 -> emulate, int8 -> int8 on a CPU with VNNI, else emulate.
+            :meth:`check_args`). None: fp8/fp4 -> emulate, int8 -> the fastest exact backend of this CPU
+            (:func:`ais_lightning.quant.cpu_int8.default_int8_backend`); :attr:`backend` is the one that runs.
         device: where the engine's copy of the model lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``); None:
             the device of ``model`` (``ais-train`` hands the engine a model on the trainer's device).
             ``"cuda"`` without an index is the current CUDA device (each rank's own GPU under Lightning).
@@ -332,6 +337,14 @@ class TorchRolloutEngine(RolloutEngine):
         self._check_device(target)
         self.model.to(target)
         self._prepare_model()
+        if self.backend is not None:
+            _log.info(
+                "TorchRolloutEngine: precision %s on backend %s (%s; this CPU's int8 kernels: %s)",
+                self.precision,
+                self.backend,
+                BACKEND_KERNELS[self.backend],
+                cpu_int8_isa(),
+            )
         if self.model_impl != "lean":
             why = lean_unsupported(model) or "model_impl='transformers'"
             _log.info("TorchRolloutEngine runs %s through its own forward: %s", type(model).__name__, why)
@@ -388,12 +401,14 @@ class TorchRolloutEngine(RolloutEngine):
                     f"backend='fp8_gemm' (torch._scaled_mm) runs precision in {list(FP8_GEMM_PRECISIONS)} in "
                     f"{name}, got precision={precision!r}"
                 )
-            if backend == "int8" and precision != "int8":
+            if backend in INTEGER_BACKENDS and precision != "int8":
                 raise ValueError(
-                    f"backend='int8' (integer GEMM) only runs precision='int8' in {name}, got precision={precision!r}; "
-                    f"backend for precision={precision!r} must be 'emulate' or None"
+                    f"backend={backend!r} (integer GEMM) only runs precision='int8' in {name}, got "
+                    f"precision={precision!r}; backend for precision={precision!r} must be 'emulate' or None"
                 )
-        args["backend"] = backend if backend is not None else _DEFAULT_BACKEND.get(precision)
+        if backend is None:
+            backend = default_int8_backend() if precision == "int8" else _DEFAULT_BACKEND.get(precision)
+        args["backend"] = backend
         args["device"] = _check_engine_device(name, args["device"], args["backend"], precision)
         compact_below = args["compact_below"]
         if isinstance(compact_below, bool) or not isinstance(compact_below, (int, float)):
@@ -442,9 +457,9 @@ class TorchRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ setup
     def _check_device(self, device: torch.device) -> None:
         """Refuse a device the backend cannot run on (the model's own device is only known here)."""
-        if self.backend == "int8" and device.type != "cpu":
+        if self.backend in INTEGER_BACKENDS and device.type != "cpu":
             raise ValueError(
-                f"device={str(device)!r}: backend='int8' (integer W8A8 GEMM) runs on CPU only; pass device='cpu' "
+                f"device={str(device)!r}: backend={self.backend!r} (integer W8A8 GEMM) runs on CPU only; pass device='cpu' "
                 "for CPU rollouts, or pick a GPU precision (bf16, fp8 with backend='fp8_gemm', engine 'te' "
                 "or 'vllm')"
             )
@@ -494,7 +509,7 @@ class TorchRolloutEngine(RolloutEngine):
         check_choice(name, "precision", precision, PRECISIONS)
         if precision == self.precision:
             return
-        if self.backend != "emulate" or _DEFAULT_BACKEND.get(precision) is None:
+        if self.backend != "emulate" or precision not in _DEFAULT_BACKEND:
             raise ValueError(
                 f"{name} switches between emulated quantized precisions, got {self.precision!r} (backend "
                 f"{self.backend!r}) -> {precision!r}; build a new engine for this change"

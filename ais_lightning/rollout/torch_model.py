@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS
 from ais_lightning.rollout.kv_cache import FP8KVScales
 
 
@@ -220,8 +221,8 @@ class LeanLlama:
         (:func:`fused_linear`).
 
         - plain ``nn.Linear`` (fp32/bf16): an ``nn.Linear`` over the concatenated weight.
-        - int8 ``QuantLinear`` on the integer GEMM (``backend="int8"``): one int8 ``QuantLinear`` over the
-          concatenated weight. This is exact: weights are quantized per output channel (concatenation keeps
+        - int8 ``QuantLinear`` on an integer GEMM (``backend`` ``"int8"`` or ``"fbgemm"``): one such
+          ``QuantLinear`` over the concatenated weight. This is exact: weights are quantized per output channel (concatenation keeps
           every row's scale) and the activation per token, the same ``h`` for q, k and v, so one activation
           quantization serves all three; their outlier channels, picked from the ranges of that same ``h``,
           are one set too. A weight sync re-quantizes it (not the three).
@@ -237,7 +238,10 @@ class LeanLlama:
         from ais_lightning.quant import QuantLinear
 
         def integer(mods: list[nn.Module]) -> bool:
-            return all(type(m) is QuantLinear and m.backend == "int8" for m in mods)
+            backend = getattr(mods[0], "backend", None)
+            return backend in INTEGER_BACKENDS and all(
+                type(m) is QuantLinear and m.backend == backend for m in mods
+            )
 
         self.qkv: list[nn.Module | None] = []
         self.gate_up: list[nn.Module | None] = []
@@ -248,13 +252,13 @@ class LeanLlama:
             if all(type(m) is nn.Linear for m in mods):
                 self.qkv.append(fused_linear(mods))
             elif integer(mods):
-                self.qkv.append(QuantLinear.from_linear(fused_linear(mods), mods[0].recipe, "int8"))
+                self.qkv.append(QuantLinear.from_linear(fused_linear(mods), mods[0].recipe, mods[0].backend))
                 covered.update(id(m) for m in mods)
             else:
                 self.qkv.append(None)
             mlp = [layer.mlp.gate_proj, layer.mlp.up_proj] if gated else []
             if mlp and integer(mlp):
-                self.gate_up.append(QuantLinear.from_linear(fused_linear(mlp), mlp[0].recipe, "int8"))
+                self.gate_up.append(QuantLinear.from_linear(fused_linear(mlp), mlp[0].recipe, mlp[0].backend))
                 covered.update(id(m) for m in mlp)
             else:
                 self.gate_up.append(None)

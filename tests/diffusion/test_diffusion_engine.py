@@ -246,11 +246,11 @@ def test_unknown_names_are_all_listed(model):
 
 
 # -------------------------------------------------------------------------------------------- arguments
-def test_check_args_defaults_and_errors():
+def test_check_args_defaults_and_errors(int8_isa):
     args = DiffusionRolloutEngine.check_args(precision="int8")
     assert args == {
         "precision": "int8",
-        "backend": "int8",
+        "backend": {"vnni": "int8", "avx2": "fbgemm"}[int8_isa],  # the CPU's fastest exact integer GEMM
         "steps": None,
         "block_length": None,
         "remasking": "low_confidence",
@@ -264,6 +264,7 @@ def test_check_args_defaults_and_errors():
         ({"precision": "fp32", "backend": "emulate"}, "backend"),
         ({"precision": "fp8", "backend": "int8"}, "backend"),
         ({"precision": "int8", "backend": "cuda"}, "backend"),
+        ({"precision": "fp4", "backend": "fbgemm"}, "backend='fbgemm'"),
         ({"steps": 0}, "steps"),
         ({"block_length": 2.5}, "block_length"),
         ({"steps": True}, "steps"),

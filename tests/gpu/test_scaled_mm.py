@@ -221,11 +221,15 @@ def test_rollout_fp8_gemm_is_checked_at_config_time(monkeypatch):
     validate(_compose_rollout("rollout=fp8_gemm", "rollout.precision=fp8_channel"))
 
 
-def test_torch_engine_device_and_backend_checks(monkeypatch):
+def test_torch_engine_device_and_backend_checks(monkeypatch, int8_isa):
     with pytest.raises(ValueError, match="backend='fp8_gemm'.*runs precision in"):
         TorchRolloutEngine.check_args(precision="int8", backend="fp8_gemm")
     fake_cuda(monkeypatch, capability=(9, 0), count=2, current=1)
-    with pytest.raises(ValueError, match="device='cuda:1'.*backend='int8'.*CPU only"):
+    for backend in ("int8", "fbgemm"):  # the integer GEMMs, whatever the CPU
+        with pytest.raises(ValueError, match=f"device='cuda:1'.*backend='{backend}'.*CPU only"):
+            TorchRolloutEngine.check_args(precision="int8", backend=backend, device="cuda")
+    default = {"vnni": "int8", "avx2": "fbgemm"}[int8_isa]  # int8's default backend: this CPU's integer GEMM
+    with pytest.raises(ValueError, match=f"device='cuda:1'.*backend='{default}'.*CPU only"):
         TorchRolloutEngine.check_args(precision="int8", device="cuda")
     assert TorchRolloutEngine.check_args(precision="bf16", device="cuda")["device"] == "cuda:1"
     with pytest.raises(ValueError, match="device='cuda:7'.*2 CUDA device"):

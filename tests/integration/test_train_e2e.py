@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ais_lightning.quant.cpu_int8 import cpu_int8_isa, default_int8_backend
 from tests.integration.helpers import SMOKE, run_train
 from tests.mlflow_server import mlflow_server
 
@@ -22,7 +23,9 @@ def test_smoke_run_writes_summary_config_and_checkpoint(tmp_path: Path):
     out = tmp_path / "run"
     proc = run_train([*SMOKE, f"hydra.run.dir={out}", "logger=csv"], cwd=tmp_path)
     assert "ais-train summary" in proc.stdout
-    assert "TorchRolloutEngine int8 (lean forward)" in proc.stdout  # which engine and forward ran
+    # which engine, int8 kernel (this CPU's: the run probes the same one) and forward ran
+    assert f"TorchRolloutEngine int8 (backend {default_int8_backend()}: " in proc.stdout
+    assert "; lean forward)" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     assert math.isfinite(summary["kl_k3_mean"]) and summary["kl_k3_mean"] >= 0
@@ -46,6 +49,8 @@ def test_multirun_lands_as_four_mlflow_runs_in_one_experiment(tmp_path: Path):
     for run in runs:
         assert run.info.status == "FINISHED"
         assert run.data.params["rollout.precision"] == "int8"
+        assert run.data.params["engine/backend"] == default_int8_backend()  # the kernel that ran, on this CPU
+        assert run.data.params["engine/cpu_int8"] == cpu_int8_isa()
         history = client.get_metric_history(run.info.run_id, "mismatch/kl_k3")
         assert len(history) == 2, "one value per rollout step"
         assert "summary/reward_last" in run.data.metrics

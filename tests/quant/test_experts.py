@@ -85,12 +85,13 @@ def test_int8_expert_by_hand_from_per_token_and_per_channel_scales():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_int8_integer_gemm_backend_matches_emulation():
+@pytest.mark.parametrize("backend", ["int8", "fbgemm"])
+def test_int8_integer_gemm_backend_matches_emulation(backend):
     experts = _experts()
     x, index, weights = _routing()
     with torch.no_grad():
         emulated = QuantExperts(copy.deepcopy(experts), "int8", "emulate")(x, index, weights)
-        integer = QuantExperts(copy.deepcopy(experts), "int8", "int8")(x, index, weights)
+        integer = QuantExperts(copy.deepcopy(experts), "int8", backend)(x, index, weights)
     torch.testing.assert_close(integer, emulated, rtol=1e-5, atol=1e-5)
 
 

@@ -80,13 +80,14 @@ def test_from_linear_shares_parameters_and_keeps_state_dict_keys():
     assert list(nobias.state_dict()) == ["weight"] and nobias(torch.randn(3, 32)).shape == (3, 16)
 
 
-def test_int8_backend_is_close_to_fp32_within_derived_bound():
+@pytest.mark.parametrize("backend", ["int8", "fbgemm"])
+def test_int8_backend_is_close_to_fp32_within_derived_bound(backend):
     """Integer W8A8: weight per channel (step s_w = amax_row/127), activation per token (step s_x = amax_token/127).
     |y - y_q| <= sum_k |x_k| s_w/2 + |W_nk| s_x/2 + s_x s_w/4 per output (products of rounding errors, each at
     most half a step)."""
     lin = _linear(256, 64)
     x = torch.randn(16, 256)
-    layer = QuantLinear.from_linear(lin, "int8", backend="int8")
+    layer = QuantLinear.from_linear(lin, "int8", backend=backend)
     with torch.no_grad():
         ref, out = lin(x), layer(x)
         s_w = lin.weight.abs().amax(1) / 127  # [N]
@@ -101,20 +102,22 @@ def test_int8_backend_is_close_to_fp32_within_derived_bound():
 
 
 def test_int8_backend_needs_int8_recipe():
-    with pytest.raises(ValueError, match="int8"):
-        QuantLinear.from_linear(_linear(16, 16), "fp8", backend="int8")
+    for backend in ("int8", "fbgemm"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' .*only runs the 'int8' recipe"):
+            QuantLinear.from_linear(_linear(16, 16), "fp8", backend=backend)
     with pytest.raises(ValueError, match="backend"):
         QuantLinear.from_linear(_linear(16, 16), "fp8", backend="tpu")
 
 
-def test_load_state_dict_then_refresh_int8_backend():
+@pytest.mark.parametrize("backend", ["int8", "fbgemm"])
+def test_load_state_dict_then_refresh_int8_backend(backend):
     src, dst = _linear(64, 32, seed=1), _linear(64, 32, seed=2)
-    layer = QuantLinear.from_linear(dst, "int8", backend="int8")
+    layer = QuantLinear.from_linear(dst, "int8", backend=backend)
     x = torch.randn(4, 64)
     with torch.no_grad():
         layer.load_state_dict(src.state_dict())
         refresh_quantized(layer)
-        expected = QuantLinear.from_linear(_linear(64, 32, seed=1), "int8", backend="int8")(x)
+        expected = QuantLinear.from_linear(_linear(64, 32, seed=1), "int8", backend=backend)(x)
         assert torch.equal(layer(x), expected)
 
 

@@ -11,7 +11,7 @@ from ais_lightning.quant import (
     largest_channels,
     outlier_count,
 )
-from ais_lightning.quant.linear import int8_linear, int8_weight_operands
+from ais_lightning.quant.cpu_int8 import int8_linear, int8_weight_operands
 
 
 def _linear(k: int, n: int, seed: int = 0, bias: bool = True) -> nn.Linear:
@@ -66,7 +66,7 @@ def test_int8_linear_is_the_integer_product_of_per_token_and_per_channel_codes()
         torch.testing.assert_close(integer(x3)[1], integer(x3[1]))  # per token: rows do not interact
 
 
-@pytest.mark.parametrize("backend", ["emulate", "int8"])
+@pytest.mark.parametrize("backend", ["emulate", "int8", "fbgemm"])
 def test_outlier_channels_run_in_high_precision(backend):
     """y = Q(x * keep) Q(W * keep)^T + x[:, out] W[:, out]^T + b, with the int8 recipe written by hand."""
     lin = _linear(64, 24)
@@ -228,7 +228,7 @@ def test_int8_per_token_is_quantize_bit_for_bit():
     """The decode path's one-pass token quantization gives ``quantize(x, "int8", "token")``'s codes and scales,
     zero rows (the scale floor) and a wide row included."""
     from ais_lightning.quant import quantize
-    from ais_lightning.quant.linear import int8_per_token
+    from ais_lightning.quant.cpu_int8 import int8_per_token
 
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
     x[1] = 0.0

@@ -95,10 +95,14 @@ def test_the_engine_must_follow_the_schedule():
         ValueError, match="rollout.precision='int4' must be the first stage's recipe 'int8_nested'"
     ):
         check_aligned_schedule_engine(schedule, functools.partial(TorchRolloutEngine, precision="int4"))
-    with pytest.raises(ValueError, match="rollout.backend=emulate"):
+    with pytest.raises(ValueError, match="rollout.backend=emulate"):  # an integer GEMM cannot switch recipes
         check_aligned_schedule_engine(
-            ((0, "int8"), (3, "int4")), functools.partial(TorchRolloutEngine, precision="int8")
+            ((0, "int8"), (3, "int4")),
+            functools.partial(TorchRolloutEngine, precision="int8", backend="int8"),
         )
+    check_aligned_schedule_engine(
+        ((0, "int8"), (3, "int4")), functools.partial(TorchRolloutEngine, precision="int8", backend="emulate")
+    )
     with pytest.raises(ValueError, match=r"aligned_schedule\[1\] 'mxfp4' is no emulated precision"):
         check_aligned_schedule_engine(
             ((0, "int4"), (3, "mxfp4")), functools.partial(TorchRolloutEngine, precision="int4")
@@ -175,7 +179,8 @@ def test_engine_switch_recalibrates_the_fp8_kv_scales(model):
 @pytest.mark.parametrize(
     "precision, backend, target, match",
     [
-        ("int8", None, "int4", "switches between emulated quantized precisions"),  # integer-GEMM engine
+        ("int8", "int8", "int4", "switches between emulated quantized precisions"),  # integer-GEMM engines
+        ("int8", "fbgemm", "int4", "switches between emulated quantized precisions"),
         ("fp32", None, "int4", "switches between emulated quantized precisions"),
         ("int4", None, "fp32", "switches between emulated quantized precisions"),
         ("int4", None, "int3", "precision must be one of"),

@@ -152,18 +152,25 @@ def test_quantized_engines_have_mismatch_fp4_above_fp8(model):
 
 
 @pytest.mark.parametrize(
-    "precision, fused_type", [("fp32", "Linear"), ("int8", "QuantLinear"), ("fp8", None)]
+    "precision, backend, fused_type",
+    [
+        ("fp32", None, "Linear"),
+        ("int8", "int8", "QuantLinear"),
+        ("int8", "fbgemm", "QuantLinear"),
+        ("int8", "emulate", None),
+        ("fp8", None, None),
+    ],
 )
-def test_fused_qkv_equals_the_three_projections(model, precision, fused_type):
-    """The fused q/k/v layer reproduces the three modules bit for bit (int8: one shared activation scale, and
-    one set of outlier channels, picked from the same input); so does the fused gate/up of int8."""
-    engine = TorchRolloutEngine(model, precision=precision)
+def test_fused_qkv_equals_the_three_projections(model, precision, backend, fused_type):
+    """The fused q/k/v layer of an integer GEMM reproduces the three modules bit for bit (one shared activation
+    scale, and one set of outlier channels, picked from the same input); so does its fused gate/up."""
+    engine = TorchRolloutEngine(model, precision=precision, backend=backend)
     engine.generate(PROMPTS, SamplingConfig(max_new_tokens=2, seed=0))  # calibrates the outlier channels
     h = torch.randn(5, model.config.hidden_size)
     for i, layer in enumerate(engine.model.model.layers):
         fused, gate_up = engine.lean.qkv[i], engine.lean.gate_up[i]
         assert (type(fused).__name__ if fused is not None else None) == fused_type
-        assert (gate_up is not None) == (precision == "int8")
+        assert (gate_up is not None) == (backend in ("int8", "fbgemm"))
         attn, mlp = layer.self_attn, layer.mlp
         with torch.inference_mode():
             if fused is not None:
@@ -203,7 +210,7 @@ def test_rope_equals_hf_rotate_half_exactly():
     assert torch.equal(swapped_sign, rotate_half(x) * sin)
 
 
-@pytest.mark.parametrize("backend", ["int8", "emulate"])
+@pytest.mark.parametrize("backend", ["int8", "fbgemm", "emulate"])
 def test_residual_add_in_place_is_exact_and_leaves_the_stream_alone(backend):
     """QuantLinear outputs take the residual in place: bit-identical to ``x + linear(h)``, ``x`` untouched."""
     from ais_lightning.quant import QuantLinear
@@ -341,10 +348,11 @@ def test_sync_rejects_unknown_names_and_leaves_weights(model):
             "^backend='emulate' is only used by TorchRolloutEngine with precision in",
         ),
         (
-            {"precision": "int8", "backend": "fbgemm"},
-            "^backend='fbgemm'.*one of \\['emulate', 'int8', 'fp8_gemm'\\]",
+            {"precision": "int8", "backend": "onednn"},
+            "^backend='onednn'.*one of \\['emulate', 'int8', 'fbgemm', 'fp8_gemm'\\]",
         ),
         ({"precision": "fp8", "backend": "int8"}, "^backend='int8'.*must be 'emulate' or None"),
+        ({"precision": "fp4", "backend": "fbgemm"}, "^backend='fbgemm'.*only runs precision='int8'"),
         ({"compact_below": 1.0}, "^compact_below must be in \\[0, 1\\)"),
         ({"compact_below": "0.5"}, "^compact_below must be a number"),
         ({"pad_token_id": -1}, "^pad_token_id must be None or an int >= 0"),
@@ -362,7 +370,7 @@ def test_bad_config_raises(model, kwargs, match):
         TorchRolloutEngine(model, **kwargs)
 
 
-def test_check_args_fills_the_constructor_defaults_and_normalizes():
+def test_check_args_fills_the_constructor_defaults_and_normalizes(int8_isa):
     assert TorchRolloutEngine.check_args() == {
         "precision": "fp32",
         "kv_cache_dtype": None,
@@ -378,7 +386,9 @@ def test_check_args_fills_the_constructor_defaults_and_normalizes():
     assert (args["backend"], args["kv_cache_dtype"], args["outlier_fraction"]) == ("emulate", None, 0.0)
     assert TorchRolloutEngine.check_args(precision="int8")["outlier_fraction"] == 0.1
     assert TorchRolloutEngine.check_args(precision="fp8", outlier_fraction=0)["outlier_fraction"] == 0.0
-    assert TorchRolloutEngine.check_args(precision="int8")["backend"] == "int8"
+    # int8: the CPU's fastest exact integer GEMM, torch._int_mm with AVX512-VNNI, fbgemm's on other x86 CPUs
+    expected = {"vnni": "int8", "avx2": "fbgemm"}[int8_isa]
+    assert TorchRolloutEngine.check_args(precision="int8")["backend"] == expected
     with pytest.raises(ValueError, match="^max_model_len: not an argument of TorchRolloutEngine.*it accepts"):
         TorchRolloutEngine.check_args(max_model_len=64)
 

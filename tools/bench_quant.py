@@ -3,7 +3,11 @@
 ``fp32`` is ``nn.Linear`` (``F.linear``: MKL on x86 CPU builds, what HF models and our engines run);
 ``fp32 oneDNN`` is the same GEMM through oneDNN with a prepacked weight
 (``torch.ops.mkldnn._linear_pointwise``, the kernel inductor's CPU weight prepacking uses), shown
-because the fp32 baseline an int8 speed-up is measured against depends on the kernel.
+because the fp32 baseline an int8 speed-up is measured against depends on the kernel. The int8 recipe runs on
+both integer GEMMs, ``torch._int_mm`` (backend ``int8``) and fbgemm's (backend ``fbgemm``), and emulated
+(``ais_lightning.quant.cpu_int8``: which one is fast depends on the CPU). The weights are drawn as Hugging Face
+initializes an LM's linears (normal, std 0.02): fbgemm's cost depends on them (the excess of
+``split_weight_pairs``).
 
 Usage: .venv/bin/python tools/bench_quant.py [--repeats 20] [--threads N]
 Each cell is the best (minimum) wall time of ``--repeats`` forward calls under ``torch.inference_mode``
@@ -20,12 +24,14 @@ import torch
 from torch import nn
 
 from ais_lightning.quant import QuantLinear
+from ais_lightning.quant.cpu_int8 import cpu_int8_isa, fbgemm_available
 
 SHAPES = [(128, 1024, 1024), (32, 1024, 4096), (512, 512, 512), (64, 1024, 3072), (64, 3072, 1024)]
 VARIANTS = [
     ("fp32", None, None),
     ("fp32 oneDNN", None, "onednn"),
-    ("int8 integer GEMM", "int8", "int8"),
+    ("int8 torch._int_mm", "int8", "int8"),
+    ("int8 fbgemm", "int8", "fbgemm"),
     ("int8 emulate", "int8", "emulate"),
     ("fp8 emulate", "fp8", "emulate"),
     ("nvfp4 emulate", "nvfp4", "emulate"),
@@ -42,8 +48,11 @@ def onednn_linear(linear: nn.Linear, batch: int):
 
 
 def build_variant(linear: nn.Linear, recipe: str | None, backend: str | None, batch: int):
+    """The variant ``(recipe, backend)`` of ``linear``; None where this CPU or build cannot run it."""
     if backend == "onednn":
         return onednn_linear(linear, batch)
+    if backend == "fbgemm" and not fbgemm_available():
+        return None
     return linear if recipe is None else QuantLinear.from_linear(linear, recipe, backend=backend)
 
 
@@ -66,13 +75,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"quantized engine {torch.backends.quantized.engine}, repeats {args.repeats}\n"
+        f"CPU int8 kernels {cpu_int8_isa()}, repeats {args.repeats}\n"
     )
     print("| M x K x N | " + " | ".join(f"{name} ms (x fp32)" for name, _, _ in VARIANTS) + " |")
     print("|---" * (len(VARIANTS) + 1) + "|")
     for m, k, n in SHAPES:
         torch.manual_seed(0)
         linear = nn.Linear(k, n)
+        with torch.no_grad():
+            linear.weight.normal_(0.0, 0.02)
         x = torch.randn(m, k)
         cells, base = [], None
         with torch.inference_mode():

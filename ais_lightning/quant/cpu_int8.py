@@ -142,24 +142,28 @@ class FbgemmWeight:
     """A weight ready for :func:`fbgemm_linear` (:func:`fbgemm_weight_operands`): its codes are ``capped + excess``."""
 
     packed: torch.ScriptObject
-    """fbgemm's prepacked per-channel int8 weight: the capped codes of :func:`split_weight_pairs`, their scales."""
+    """fbgemm's prepacked int8 weight: the capped codes of :func:`split_weight_pairs` (scales 1: fbgemm returns the
+    integer sums)."""
+    scale: torch.Tensor
+    """Per-output-channel scales ``[N]`` float32 (``amax / 127``)."""
     excess_packed: torch.ScriptObject | None = None
     """The excess prepacked likewise, when it holds more than :data:`SPARSE_EXCESS` of the codes."""
     excess_sparse: torch.Tensor | None = None
-    """Otherwise (if any) the excess times the scales, a sparse CSR ``[N, K]`` float32 matrix."""
+    """Otherwise (if any) the excess codes as a sparse CSR ``[N, K]`` float32 matrix."""
     excess_codes: int = 0
     """How many nonzero codes the excess holds."""
 
 
-def _prepack(codes: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
-    """fbgemm's prepacked weight from int8 ``codes [N, K]`` and per-output-channel ``scale [N]`` (zero points 0)."""
+def _prepack(codes: torch.Tensor) -> torch.ScriptObject:
+    """fbgemm's prepacked weight from int8 ``codes [N, K]``, with scales 1 and zero points 0 per output channel."""
     previous = torch.backends.quantized.engine
+    n = codes.shape[0]
     try:
         torch.backends.quantized.engine = "fbgemm"  # prepack picks its kernel library from the global engine
         with warnings.catch_warnings():  # torch deprecates quantized tensors: fbgemm's only entry point
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch._make_per_channel_quantized_tensor(
-                codes.contiguous(), scale.double(), torch.zeros(len(scale), dtype=torch.long), 0
+                codes.contiguous(), torch.ones(n, dtype=torch.double), torch.zeros(n, dtype=torch.long), 0
             )
         return torch.ops.quantized.linear_prepack(qweight, None)
     finally:
@@ -171,16 +175,15 @@ def fbgemm_weight_operands(weight: torch.Tensor) -> FbgemmWeight:
     by :func:`split_weight_pairs`, the capped part prepacked for fbgemm, the excess (if any) too or kept sparse."""
     q = quantize(weight.detach().float(), "int8", "channel", name="weight")
     capped, excess = split_weight_pairs(q.data)
-    scale = q.scale.reshape(-1)  # [N]
-    prepared = FbgemmWeight(_prepack(capped, scale), excess_codes=int(excess.count_nonzero()))
+    prepared = FbgemmWeight(_prepack(capped), q.scale.reshape(-1), excess_codes=int(excess.count_nonzero()))
     if prepared.excess_codes > SPARSE_EXCESS * excess.numel():
-        prepared.excess_packed = _prepack(excess, scale)
+        prepared.excess_packed = _prepack(excess)
     elif prepared.excess_codes:
         with (
             warnings.catch_warnings()
         ):  # "sparse CSR support is in beta"; CSR x dense has been in torch since 1.13
             warnings.simplefilter("ignore", UserWarning)
-            prepared.excess_sparse = (excess.float() * scale[:, None]).to_sparse_csr()
+            prepared.excess_sparse = excess.float().to_sparse_csr()
     return prepared
 
 
@@ -189,18 +192,20 @@ def fbgemm_linear(x: torch.Tensor, weight: FbgemmWeight, bias: torch.Tensor | No
 
     The activation is quantized per token as the emulated recipe does (:func:`int8_per_token`); its codes enter
     fbgemm as floats holding integers with scale 1 and zero point 128, so fbgemm's own quantization keeps them as
-    they are (u8 ``code + 128``). fbgemm returns ``(codes_x @ capped^T) * weight_scale`` in fp32 and the weight's excess
-    adds ``(codes_x @ excess^T) * weight_scale`` (a second fbgemm GEMM, or a sparse product of few codes); the
-    per-token scale and the bias are applied here. The same integers as the emulated recipe, to fp32 rounding.
+    they are (u8 ``code + 128``). fbgemm returns the int32 sums ``codes_x @ capped^T`` as fp32 (its weight scales are
+    1), the weight's excess adds ``codes_x @ excess^T`` (a second fbgemm GEMM, or a sparse product of few codes),
+    and the per-token and per-channel scales and the bias are applied as :func:`int8_linear` applies them: where
+    the sums stay below 2^24 (fp32's exact integers; always for K <= 1040) the output is ``int8_linear``'s, bit
+    for bit.
     """
     operand, scale = _per_token_codes(x.reshape(-1, x.shape[-1]))  # [M, K] integers in [-127, 127], [M, 1]
     gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-    y = gemm(operand, 1.0, FBGEMM_ZERO_POINT, weight.packed)  # [M, N] = (codes_x @ capped^T) * weight_scale
+    y = gemm(operand, 1.0, FBGEMM_ZERO_POINT, weight.packed)  # [M, N] = codes_x @ capped^T
     if weight.excess_packed is not None:
         y = y.add_(gemm(operand, 1.0, FBGEMM_ZERO_POINT, weight.excess_packed))
     elif weight.excess_sparse is not None:
         y = y.add_(torch.sparse.mm(weight.excess_sparse, operand.t()).t())  # [M, N]
-    y = y.mul_(scale)
+    y = y.mul_(scale).mul_(weight.scale)
     if bias is not None:
         y = y.add_(bias.float())
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])

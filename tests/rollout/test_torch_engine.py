@@ -185,6 +185,24 @@ def test_fused_qkv_equals_the_three_projections(model, precision, backend, fused
                 assert torch.equal(gate_up(h), torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1))
 
 
+def test_both_integer_gemms_roll_out_alike(model):
+    """``torch._int_mm`` and fbgemm compute the int8 recipe's integers, scaled alike: the same rollouts bit for bit,
+    also after a weight sync (the tiny model's sums are exact in fp32)."""
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    sampling = SamplingConfig(n=2, max_new_tokens=8, seed=0)
+    engines = [TorchRolloutEngine(model, precision="int8", backend=b) for b in ("int8", "fbgemm")]
+    for weights in (None, Policy(trained).full_state_dict()):
+        if weights is not None:
+            for engine in engines:
+                engine.sync_weights(weights)
+        a, b = (engine.generate(PROMPTS, sampling) for engine in engines)
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+
+
 def test_silu_runs_in_place_and_other_activations_do_not(model):
     """The lean MLP overwrites the gate output with SiLU(gate) (bit-identical); other activations allocate."""
     act = model.model.layers[0].mlp.act_fn  # HF's SiLUActivation

@@ -128,7 +128,9 @@ def test_the_three_int8_backends_agree(outliers):
                 layer.set_outlier_channels(torch.tensor([11, 30]))
         out = {b: layer(x) for b, layer in layers.items()}
         torch.testing.assert_close(out["fbgemm"], out["emulate"], rtol=1e-5, atol=1e-5)
-        assert torch.equal(out["fbgemm"], out["int8"])  # the same integers, scaled alike (K < 1040: sums exact)
+        assert torch.equal(
+            out["fbgemm"], out["int8"]
+        )  # the same integers, scaled alike (K < 1040: sums exact)
         assert (out["fbgemm"] - lin(x)).abs().max() > 0  # not silently fp32
 
 

@@ -170,6 +170,18 @@ def _prepack(codes: torch.Tensor) -> torch.ScriptObject:
         torch.backends.quantized.engine = previous
 
 
+def _sparse_csr(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` as a sparse CSR matrix with int32 indices (MKL's sparse product takes them as they are; int64
+    ones it converts at every call)."""
+    # torch warns "sparse CSR support is in beta"; the CSR x dense product has been in torch since 1.13
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        csr = matrix.to_sparse_csr()
+        return torch.sparse_csr_tensor(
+            csr.crow_indices().int(), csr.col_indices().int(), csr.values(), csr.shape
+        )
+
+
 def fbgemm_weight_operands(weight: torch.Tensor) -> FbgemmWeight:
     """``weight [N, K]`` quantized per output channel exactly as :func:`int8_weight_operands` does, its codes split
     by :func:`split_weight_pairs`, the capped part prepacked for fbgemm, the excess (if any) too or kept sparse."""
@@ -179,11 +191,7 @@ def fbgemm_weight_operands(weight: torch.Tensor) -> FbgemmWeight:
     if prepared.excess_codes > SPARSE_EXCESS * excess.numel():
         prepared.excess_packed = _prepack(excess)
     elif prepared.excess_codes:
-        with (
-            warnings.catch_warnings()
-        ):  # "sparse CSR support is in beta"; CSR x dense has been in torch since 1.13
-            warnings.simplefilter("ignore", UserWarning)
-            prepared.excess_sparse = excess.float().to_sparse_csr()
+        prepared.excess_sparse = _sparse_csr(excess.float())
     return prepared
 
 
@@ -203,8 +211,9 @@ def fbgemm_linear(x: torch.Tensor, weight: FbgemmWeight, bias: torch.Tensor | No
     y = gemm(operand, 1.0, FBGEMM_ZERO_POINT, weight.packed)  # [M, N] = codes_x @ capped^T
     if weight.excess_packed is not None:
         y = y.add_(gemm(operand, 1.0, FBGEMM_ZERO_POINT, weight.excess_packed))
-    elif weight.excess_sparse is not None:
-        y = y.add_(torch.sparse.mm(weight.excess_sparse, operand.t()).t())  # [M, N]
+    elif weight.excess_sparse is not None:  # beta=0: the product alone, over an uninitialized buffer
+        rest = torch.addmm(y.new_empty(y.shape[::-1]), weight.excess_sparse, operand.t().contiguous(), beta=0)
+        y = y.add_(rest.t())  # [M, N] += (excess @ codes_x^T)^T
     y = y.mul_(scale).mul_(weight.scale)
     if bias is not None:
         y = y.add_(bias.float())

@@ -2,7 +2,8 @@
 
 See :mod:`.formats` (FP8/FP4/INT8 and nested-integer rounding), :mod:`.scaling`
 (tensor/channel/token/block/group/MX/NVFP4/E4M3-group scales), :mod:`.recipes` (named recipes),
-:mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.experts` (QuantExperts: fused
+:mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.cpu_int8` (the integer GEMMs of the int8
+recipe, ``torch._int_mm`` and fbgemm's, and which one is fast on this CPU), :mod:`.experts` (QuantExperts: fused
 mixture-of-experts weights per expert), :mod:`.kv`, and the Bit-by-Bit pieces
 (arXiv 2604.07888): :mod:`.nested` (int8 -> int4 -> int2 views of one quantized weight), :mod:`.ocs`
 (rounding-aware outlier channel splitting), :mod:`.schedule` (progressive precision schedule); :mod:`.outliers`

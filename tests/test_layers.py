@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ais_lightning"
 
 LIBRARY = {
     "correctors", "losses", "diagnostics", "quant", "rollout", "policy", "models", "tasks", "modules",
-    "ops", "checks", "files",
+    "staleness", "ops", "checks", "files",
 }  # fmt: skip
 """What users lift into their own Lightning projects (``files``: verified files, used by the GGUF cache too)."""
 LAYERS = {"app": "application", "toolkit": "tools-only"}

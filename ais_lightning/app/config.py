@@ -145,6 +145,9 @@ class TrainConfig:
     """The Lightning Trainer (``conf/trainer``, ``ais_lightning.app.trainer.TrainerSettings``)."""
     logger: Any = MISSING
     """Experiment tracking (``conf/logger``, ``ais_lightning.app.tracking.LoggerSettings``)."""
+    workers: Any = None
+    """Rollout workers beside the trainer (``conf/workers``: ``ray``, ``ais_lightning.rollout.ray_workers.RayWorkers``);
+    null: the rollout engine runs in the trainer's process."""
     seed: int = 0
     """Seed of everything: data, sampling, model init."""
     ckpt_path: Optional[str] = None  # noqa: UP045
@@ -169,6 +172,7 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
     from ais_lightning.modules.grpo import GRPOSettings
     from ais_lightning.modules.solrl import SolRLSettings
     from ais_lightning.policy import POLICIES
+    from ais_lightning.rollout.ray_workers import RayWorkers
     from ais_lightning.tasks import TASKS
 
     return {
@@ -181,6 +185,7 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
         "warmstart": {"default": WarmStartSettings},
         "trainer": {"default": TrainerSettings},
         "logger": {"default": LoggerSettings},
+        "workers": {"ray": RayWorkers},
     }
 
 

@@ -188,3 +188,16 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
                 f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}"
             )
         target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def shard_by_layers(policy: nn.Module, mesh: Any) -> None:
+    """FSDP2: ``fully_shard`` every decoder layer of ``policy`` (``policy.decoder_layers()``), then ``policy`` itself,
+    over ``mesh`` (Lightning ``ModelParallelStrategy``'s ``device_mesh["data_parallel"]``); nothing when ``policy`` is
+    sharded already (Lightning calls ``configure_model`` once per ``fit`` / ``validate``)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(policy, FSDPModule):
+        return
+    for layer in policy.decoder_layers():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)

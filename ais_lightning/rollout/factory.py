@@ -167,3 +167,16 @@ def engine_class_of(factory: Any) -> tuple[type[RolloutEngine], dict[str, Any]] 
     if isinstance(func, type) and issubclass(func, RolloutEngine):
         return func, arguments
     return None
+
+
+def same_engine(a: Any, b: Any) -> bool:
+    """Whether two engine factories build the same engine: the same object, or the same engine class with the same
+    arguments after its ``check_args`` (:meth:`EngineSpec.same_engine_as`; an ``EngineSpec``'s checked arguments are
+    the ones it was made with, a ``functools.partial``'s are checked now)."""
+    if a is b:
+        return True
+    try:
+        spec_a, spec_b = EngineSpec.of(a), EngineSpec.of(b)
+    except (TypeError, ValueError):
+        return False
+    return spec_a is not None and spec_b is not None and spec_a.same_engine_as(spec_b)

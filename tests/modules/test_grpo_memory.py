@@ -96,7 +96,7 @@ def test_engines_are_built_once_and_an_fp32_engine_serves_both_validations(preci
     module = _module(
         engine_factory=functools.partial(TorchRolloutEngine, precision=precision), cls=Counting, val_size=3
     )
-    module.eval_engine_factory = functools.partial(TorchRolloutEngine, precision="fp32")
+    module.engines.eval_engine_factory = functools.partial(TorchRolloutEngine, precision="fp32")
     trainer = _validate_then_fit(module)
     shared = precision == "fp32"
     assert (module.eval_engine is module.engine) == shared

@@ -73,7 +73,9 @@ def test_an_engine_without_coupled_noise_or_trainer_copy_is_refused():
 
     settings = SolRLSettings()
     parts = dict(
-        engine=functools.partial(TorchRolloutEngine, precision="int8"), trainer=TrainerSettings(), workers=None
+        engine=functools.partial(TorchRolloutEngine, precision="int8"),
+        trainer=TrainerSettings(),
+        workers=None,
     )
     settings.check_components(
         types.SimpleNamespace(**parts, eval_engine=functools.partial(TorchRolloutEngine))

@@ -357,10 +357,12 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         delta = ops.log_ratio(train_lp, batch.rollout_logprobs, mask)  # [B, T]
         replay = self.policy.routing_replay
         last = replay.last_routing() if replay is not None else None
-        version_lp = stale.version_logprobs if stale is not None else None
+        version_lp, stale_delta = (
+            (stale.version_logprobs, stale.log_ratio) if stale is not None else (None, None)
+        )
         own_routing = last[0] if last is not None else None
         self.step_metrics.update(
-            batch, train_lp, delta, advantages, entropy, impurity, version_lp, own_routing
+            batch, train_lp, delta, advantages, entropy, impurity, version_lp, own_routing, stale_delta
         )
         masked = (
             (lambda t: t) if keep is None else (lambda t: torch.where(train_mask, t, torch.zeros_like(t)))
@@ -373,7 +375,7 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
             train_logprobs=train_lp,
             rollout_logprobs=batch.rollout_logprobs,
             impurity=impurity,
-            stale_log_ratio=masked(stale.log_ratio) if stale is not None else None,
+            stale_log_ratio=masked(stale_delta) if stale_delta is not None else None,
         )
         stats.update(correction.stats)
         kept = correction.mask & train_mask

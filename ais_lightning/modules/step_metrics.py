@@ -54,10 +54,12 @@ class StepMetrics(nn.Module):
         impurity: torch.Tensor,
         version_logprobs: torch.Tensor | None = None,
         own_routing: torch.Tensor | None = None,
+        stale_log_ratio: torch.Tensor | None = None,
     ) -> None:
         """One step's rollout ``batch``, pi_old (``train_logprobs`` ``[B, T]``) and ``delta`` = its clamped log-ratio
         to mu, the ``advantages``, the trainer's ``entropy`` and ``impurity`` ``[B, T]``; ``version_logprobs``
-        (pi_v) for the split; ``own_routing`` the trainer's own ``[B, P + T, L, k]`` experts."""
+        (pi_v) for the split; ``own_routing`` the trainer's own ``[B, P + T, L, k]`` experts; ``stale_log_ratio`` the
+        staleness part of ``delta``, which ``mismatch/ais_lambda`` reads as the AIS corrector does."""
         mask = batch.response_mask  # [B, T]
         self.mismatch.update(
             train_logprobs,
@@ -67,6 +69,7 @@ class StepMetrics(nn.Module):
             entropy=entropy,
             log_ratio=delta,
             impurity=impurity,
+            **({} if stale_log_ratio is None else {"stale_log_ratio": stale_log_ratio}),
         )
         if self.split is not None and version_logprobs is not None:
             self.split.update(train_logprobs, version_logprobs, batch.rollout_logprobs, mask)

@@ -135,6 +135,7 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         self.alarm = ConstantRewardAlarm(s.constant_reward_steps)
         self.prompt_encoder = PromptEncoder(policy, s.max_new_tokens, s.truncate_prompts)
         self.validation = ValidationTally()
+        self._step_started: float | None = None
 
     tokenizer = property(lambda self: self.policy.tokenizer)
 
@@ -420,7 +421,7 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        prompts = batch["prompt"]
+        prompts, started, self._step_started = batch["prompt"], self._step_started, time.perf_counter()
         stage = self.apply_precision_schedule()
         alignment = self._check_fp32_alignment(prompts) if self.rollout_step == 0 else {}
         # pi_old's forward serves the loss when one optimizer step over the whole batch at once follows
@@ -428,6 +429,8 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
             self.settings.prompts_per_step * self.settings.group_size
         )
         exp, stats = self.collect_experience(prompts, task_fields(batch), keep_graph=one_step)
+        if started is not None:  # wall time from the previous step's start: steps per second
+            stats["time/step_s"] = self._step_started - started
         stats.update(stage)
         stats.update(alignment)
         if exp is None:  # non-finite log-probs: nothing reaches the weights

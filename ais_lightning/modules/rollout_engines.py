@@ -92,6 +92,8 @@ class RolloutEngines:
                 randomized=settings.rollout_lag_random,
                 seed=seed,
             )
+        elif self.source.version != version:  # started at another step (a validation before a resumed fit)
+            self.source.publish(version, state)
         self.source.engine_version = version
 
     def hold_current(self, version: int, weights: Callable[[], NamedTensors]) -> None:

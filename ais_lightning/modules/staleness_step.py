@@ -61,8 +61,10 @@ class StalenessStep:
         return self.adaptive() if self.adaptive is not None else self.max_staleness
 
     def keep(self, version: int, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Keep ``version``'s weights (once)."""
-        if version not in self.snapshots:
+        """Keep ``version``'s weights when they are newer than every kept version (a validation outside ``fit``, which
+        does not know the step a resumed checkpoint reached, keeps nothing)."""
+        versions = self.snapshots.versions()
+        if not versions or version > versions[-1]:
             self.snapshots.put(version, named_tensors)
 
     def measure(

@@ -230,7 +230,7 @@ class RaySource(RolloutSource):
         self._timings: dict[str, float] = {}
         self._model_ref = ray.put(model)
         self._factory = engine_factory
-        self._latest = (version, ray.put(list(named_tensors)))
+        self._latest = (version, ray.put([(name, t.detach().cpu()) for name, t in named_tensors]))
         self.workers = [self._start_worker(i) for i in range(settings.num_workers)]
 
     # ------------------------------------------------------------ workers
@@ -324,9 +324,9 @@ class RaySource(RolloutSource):
                 except self.ray.exceptions.RayActorError as err:
                     self._restart(chunk.worker, err)
                     continue
-                if version - result["version"] > bound:  # staler than the bound: generated again, fresh
-                    dropped += result["batch"].response_ids.shape[0]
-                    self._send(chunk)
+                if version - result["version"] > bound and result["version"] < self._latest[0]:
+                    dropped += result["batch"].response_ids.shape[0]  # staler than the bound: generated again
+                    self._send(chunk)  # with the newest weights (a worker applies them before the chunk)
                     continue
                 results[chunk.worker] = result
         del self.steps[step]
@@ -355,9 +355,9 @@ class RaySource(RolloutSource):
         done_ids = {r.hex() for r in done}
         return sum(all(c.ref.hex() in done_ids for c in s.chunks) for s in self.steps.values())
 
-    def publish(self, version: int, named_tensors: NamedTensors) -> None:
+    def deliver(self, version: int, named_tensors: NamedTensors) -> None:
         t0 = time.perf_counter()
-        ref = self.ray.put(list(named_tensors))
+        ref = self.ray.put([(name, t.detach().cpu()) for name, t in named_tensors])  # the workers' own device
         self._latest = (version, ref)
         for worker in self.workers:
             worker.set_weights.options(concurrency_group="weights").remote(version, ref)

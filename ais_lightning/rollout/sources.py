@@ -74,14 +74,21 @@ class RolloutSource(abc.ABC):
         self.engine = engine
         self.engine_version = engine_version
         """The policy version of the in-process engine's weights."""
+        self.version = engine_version
+        """The newest policy version published to the source."""
 
     @abc.abstractmethod
     def rollouts(self, step: int, request: RolloutRequest, version: int) -> VersionedRollouts:
         """The rollouts of step ``step``'s ``request``, trained at policy version ``version``."""
 
-    @abc.abstractmethod
     def publish(self, version: int, named_tensors: NamedTensors) -> None:
-        """The trainer's weights after an update, as policy version ``version``."""
+        """The trainer's weights after an update, as policy version ``version`` (:meth:`deliver` them)."""
+        self.version = version
+        self.deliver(version, named_tensors)
+
+    @abc.abstractmethod
+    def deliver(self, version: int, named_tensors: NamedTensors) -> None:
+        """Hand policy version ``version``'s weights to whatever generates (the engine, the workers)."""
 
     def lookahead(self) -> int:
         """How many future steps' requests the source wants now (``submit``); 0: none (it generates on demand)."""
@@ -153,7 +160,7 @@ class InlineSource(RolloutSource):
         versions = torch.full((rows,), generating, dtype=torch.long)
         return VersionedRollouts(batch, versions, dropped=rows if dropped else 0)
 
-    def publish(self, version: int, named_tensors: NamedTensors) -> None:
+    def deliver(self, version: int, named_tensors: NamedTensors) -> None:
         if self.snapshots is None:  # the synchronous loop: the engine follows the trainer at once
             self.engine.sync_weights(named_tensors)
             self.engine_version = version

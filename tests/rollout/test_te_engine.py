@@ -13,7 +13,7 @@ from ais_lightning.quant import quantize_model
 from ais_lightning.rollout import SamplingConfig, TERolloutEngine, engine_args
 from ais_lightning.rollout.te_engine import TE_RECIPE_REQUIREMENTS
 from tests.gpu.fake_cuda import fake_cuda
-from tests.gpu.realistic import (
+from ais_lightning.toolkit.realistic import (
     FP8_LOGPROB_TOLERANCE,
     mean_abs_logprob_delta,
     realistic_tiny_qwen3,

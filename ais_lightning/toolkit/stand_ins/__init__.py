@@ -6,8 +6,8 @@ checks around it to run on a CPU: :mod:`.cublaslt_gemm` (torch's blockwise ``sca
 (Transformer Engine's recipe classes). None of them says anything about a GPU's numbers: a check that passes on a
 stand-in shows that the code around the real part holds together, and what the real part must match.
 
-:func:`installed` puts stand-in modules into ``sys.modules`` for a block (``monkeypatch.setitem`` does the same in
-tests).
+:func:`installed` puts stand-in modules into ``sys.modules`` for a block and :func:`swapped` one attribute
+(``monkeypatch`` does the same in tests).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import sys
 from collections.abc import Iterator, Mapping
 from types import ModuleType
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -31,3 +32,14 @@ def installed(modules: Mapping[str, ModuleType]) -> Iterator[None]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` for the block, and what it was afterwards."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)

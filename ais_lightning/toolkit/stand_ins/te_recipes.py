@@ -10,6 +10,7 @@ Read at Transformer Engine 2.9 and 2.20.0.dev0 (``transformer_engine/common/reci
 
 from __future__ import annotations
 
+import importlib.machinery
 import types
 from dataclasses import dataclass, field
 from enum import Enum
@@ -60,15 +61,15 @@ class MXFP8BlockScaling:
 def te_recipe_modules() -> dict[str, ModuleType]:
     """``transformer_engine``, ``transformer_engine.common`` and ``transformer_engine.common.recipe`` for
     ``sys.modules``."""
-    recipe = types.ModuleType("transformer_engine.common.recipe")
+    modules = {}
+    for name in ("transformer_engine", "transformer_engine.common", "transformer_engine.common.recipe"):
+        modules[name] = types.ModuleType(name)
+        modules[name].__spec__ = importlib.machinery.ModuleSpec(
+            name, None
+        )  # importlib.util.find_spec finds it
+    recipe = modules["transformer_engine.common.recipe"]
     for cls in (Format, MMParams, QParams, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling):
         setattr(recipe, cls.__name__, cls)
-    common = types.ModuleType("transformer_engine.common")
-    common.recipe = recipe
-    package = types.ModuleType("transformer_engine")
-    package.common = common
-    return {
-        "transformer_engine": package,
-        "transformer_engine.common": common,
-        "transformer_engine.common.recipe": recipe,
-    }
+    modules["transformer_engine.common"].recipe = recipe
+    modules["transformer_engine"].common = modules["transformer_engine.common"]
+    return modules

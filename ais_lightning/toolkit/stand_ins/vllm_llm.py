@@ -26,6 +26,7 @@ per-token log-probs). Read at vLLM 0.33.0:
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import random
 import types
@@ -43,6 +44,7 @@ class StandInVLLM(types.ModuleType):
 
     def __init__(self, on_cpu: bool = True) -> None:
         super().__init__("vllm")
+        self.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # importlib.util.find_spec finds it
         self.on_cpu = on_cpu
         self.started: list[dict[str, Any]] = []
         self.instances: list[Any] = []  # every LLM ever built stays reachable (vLLM's frozen cycles)
@@ -59,6 +61,7 @@ def vllm_modules(vllm: StandInVLLM) -> dict[str, ModuleType]:
     """``{"vllm": vllm, "vllm.platforms": ...}`` for ``sys.modules`` (``current_platform.is_cpu()`` is
     ``vllm.on_cpu``)."""
     platforms = types.ModuleType("vllm.platforms")
+    platforms.__spec__ = importlib.machinery.ModuleSpec("vllm.platforms", None)
     platforms.current_platform = SimpleNamespace(is_cpu=lambda: vllm.on_cpu)
     vllm.platforms = platforms
     return {"vllm": vllm, "vllm.platforms": platforms}

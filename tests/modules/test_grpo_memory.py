@@ -147,7 +147,7 @@ def test_an_engine_claiming_free_memory_leaves_room_for_the_gradients_and_adamw_
     _fit(module)  # builds the engine when training starts, before the first step
     assert ReservingEngine.reserves == [1000 + 3 * param_bytes]  # the configured reserve + grads + 2 states
     module.close_engines()
-    module._build_engine(module.engine_factory, module._full_state())  # AdamW's states exist now
+    module._build_engine(module.engines.engine_factory, module._full_state())  # AdamW's states exist now
     assert ReservingEngine.reserves[-1] == 1000 + param_bytes  # only the gradients are still to come
     plain = _module(engine_factory=functools.partial(TorchRolloutEngine, precision="fp32"))
     _fit(plain)  # an engine that claims nothing is built as before (no reserve_bytes argument)

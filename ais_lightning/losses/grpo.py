@@ -56,30 +56,16 @@ a training loop passes the same inputs whichever loss it holds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from ais_lightning.losses.base import PolicyLoss
+from ais_lightning.losses.base import LossOutput, PolicyLoss
 from ais_lightning.losses.penalties import squared_log_ratio_penalty
 from ais_lightning.ops import LOG_RATIO_CLAMP, check_mask, check_token_tensor, masked_mean, masked_sum
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MODES = ("decoupled", "bypass")
 KL_RATIOS = ("none", "old", "rollout")
-
-
-@dataclass
-class LossOutput:
-    """What :class:`GRPOLoss` returns."""
-
-    loss: torch.Tensor
-    """Scalar loss, differentiable w.r.t. ``logprobs`` (and ``entropy`` when ``entropy_coef != 0``)."""
-    stats: dict[str, float] = field(default_factory=dict)
-    """Detached scalars, keys ``loss/...`` (see :class:`GRPOLoss`)."""
-    shares: frozenset[str] = frozenset()
-    """The stats that are this call's share of the batch's value when the call got the batch's
-    ``denominator``: over the micro-batches of one batch they add up (the others are per-call means)."""
 
 
 def aggregate(

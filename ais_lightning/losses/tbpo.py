@@ -40,9 +40,8 @@ import math
 
 import torch
 
-from ais_lightning.losses.base import PolicyLoss
+from ais_lightning.losses.base import LossOutput, PolicyLoss
 from ais_lightning.losses.grpo import (
-    LossOutput,
     aggregate,
     check_identity_weights,
     check_policy_loss_inputs,

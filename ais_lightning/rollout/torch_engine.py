@@ -247,7 +247,7 @@ class TorchRolloutEngine(RolloutEngine):
             every prefill; each weight sync picks the channels from what the prefills since the previous sync
             saw. None: 0.1 for int8, 0.05 for fp8 (real LLMs' outlier features break both otherwise), 0 for the other
             precisions (:data:`DEFAULT_OUTLIER_FRACTION`). Ignored at fp32/bf16/fp16.
-        head_dtype: the precision of ``lm_head``'s projection (never quantized: :data:`ais_lightning.quant.linear.DEFAULT_SKIP`).
+        head_dtype: the precision of ``lm_head``'s projection (never quantized: :data:`ais_lightning.quant.model.DEFAULT_SKIP`).
             None / ``"auto"`` / ``"model"``: the engine's model dtype (fp32 for an fp32 model at fp32 or a quantized
             precision, bf16 / fp16 at ``bf16`` / ``fp16``: the behaviour before this option); ``"float32"``: fp32
             logits from the model-dtype hidden states and weights (:class:`ais_lightning.models.head.Float32Head`;

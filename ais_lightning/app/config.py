@@ -174,11 +174,12 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
     from ais_lightning.modules.grpo import GRPOSettings
     from ais_lightning.modules.solrl import SolRLSettings
     from ais_lightning.policy import POLICIES
+    from ais_lightning.rollout import ENGINES
     from ais_lightning.tasks import TASKS
 
     return {
         "policy": dict(POLICIES),
-        "rollout": _engine_classes(),
+        "rollout": dict(ENGINES),
         "loss": dict(LOSSES),
         "corrector": dict(CORRECTORS),
         "task": dict(TASKS),
@@ -187,13 +188,6 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
         "trainer": {"default": TrainerSettings},
         "logger": {"default": LoggerSettings},
     }
-
-
-def _engine_classes() -> dict[str, type]:
-    """The rollout engine classes by name (their modules import vLLM / Transformer Engine lazily)."""
-    from ais_lightning.rollout.factory import ENGINES, engine_class
-
-    return {name: engine_class(name) for name in ENGINES}
 
 
 def register_configs() -> None:

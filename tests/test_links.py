@@ -118,3 +118,43 @@ def test_the_readme_search_path_example_composes(where: str, tmp_path: Path, mon
         cfg = compose_train_config(["hydra.searchpath=[file://conf]", "corrector=tis_seq"])
         assert cfg.corrector.level == "sequence"
         assert cfg.corrector._target_ == "ais_lightning.correctors.tis.TIS"
+
+
+CITED = re.compile(r"ais_lightning(?:\.[A-Za-z_]\w*)+")
+"""A dotted name of the package as the docs, configs and docstrings cite it (``ais_lightning.modules.GRPOModule``)."""
+
+
+def unresolved(name: str) -> str | None:
+    """Why the cited ``name`` does not resolve (None when it does): the longest importable module prefix, then
+    attributes; a dataclass field counts as an attribute of its class."""
+    import dataclasses
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+    for part in parts[i:]:
+        fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        if not hasattr(obj, part) and part not in fields:
+            return f"{'.'.join(parts[:i])} has no {part}"
+        obj = getattr(obj, part, None)
+        i += 1
+    return None
+
+
+def test_every_name_the_docs_configs_and_docstrings_cite_resolves():
+    sources = [
+        *_pages(),
+        *sorted(CONFIG_DIR.rglob("*.yaml")),
+        *sorted((REPO / "ais_lightning").rglob("*.py")),
+    ]
+    cited = {m.group(0).rstrip("."): p for p in sources for m in CITED.finditer(p.read_text())}
+    assert len(cited) > 200
+    assert unresolved("ais_lightning.modules.GRPOModule.training_step") is None
+    assert unresolved("ais_lightning.modules.NoSuchModule") == "ais_lightning.modules has no NoSuchModule"
+    wrong = {name: unresolved(name) for name in cited if unresolved(name)}
+    assert not wrong, "\n".join(f"{cited[n].relative_to(REPO)}: {n}: {why}" for n, why in wrong.items())

@@ -369,17 +369,17 @@ def _settle_task(task: Any, cfg: DictConfig) -> None:
             cfg.algorithm.max_new_tokens = task.response_budget()
 
 
-def _resolve_warm_start(c: Components, cfg: DictConfig) -> None:
+def _resolve_warm_start(components: Components, cfg: DictConfig) -> None:
     """``warmstart.enabled=auto`` follows the policy: on for one that starts from random weights (the built-in
     models), off for a pretrained checkpoint (a policy spec's ``PRETRAINED_WEIGHTS``; a user's spec without it
     counts as random). The settled value is written back to ``cfg.warmstart.enabled``, so the logged config
     names it."""
     from ais_lightning.app.warmstart import resolve_enabled
 
-    pretrained = bool(c.policy.PRETRAINED_WEIGHTS)
-    c.warmstart.enabled = resolve_enabled(c.warmstart.enabled, starts_pretrained=pretrained)
+    pretrained = bool(components.policy.PRETRAINED_WEIGHTS)
+    components.warmstart.enabled = resolve_enabled(components.warmstart.enabled, starts_pretrained=pretrained)
     if cfg.warmstart.get("enabled") == "auto" and not OmegaConf.is_readonly(cfg):
-        cfg.warmstart.enabled = c.warmstart.enabled
+        cfg.warmstart.enabled = components.warmstart.enabled
 
 
 def validate(cfg: DictConfig) -> Components:

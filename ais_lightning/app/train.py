@@ -61,21 +61,29 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     silence_known_noise()  # also in joblib workers, where main() does not run
     with failure_handling(cfg) as opened:
-        c = validate(cfg)
+        components = validate(cfg)
         check_writable(Path(cfg.output_dir), "output_dir")
         resume = Resume.of(cfg.ckpt_path, cfg.output_dir)
-        check_tracking_uri(c.logger, cfg.output_dir, resume.mlflow_run)  # the store the run will log to
-        if c.trainer.num_threads:
-            torch.set_num_threads(c.trainer.num_threads)
+        check_tracking_uri(
+            components.logger, cfg.output_dir, resume.mlflow_run
+        )  # the store the run will log to
+        if components.trainer.num_threads:
+            torch.set_num_threads(components.trainer.num_threads)
         started = time.perf_counter()
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         fresh = resume.ckpt_path is None  # a resume starts from the checkpoint's weights: no warm start
-        policy, warm = c.initial_policy(cfg.seed, warm=fresh, progress_bar=c.trainer.enable_progress_bar)
-        module = c.grpo_module(policy, cfg.seed)
-        data = c.prompt_data(c.trainer.max_steps, cfg.seed)  # a resume may raise max_steps: batch k stays k
-        logger = opened["logger"] = build_logger(c.logger, cfg.output_dir, resume=resume.mlflow_run)
+        policy, warm = components.initial_policy(
+            cfg.seed, warm=fresh, progress_bar=components.trainer.enable_progress_bar
+        )
+        module = components.grpo_module(policy, cfg.seed)
+        data = components.prompt_data(
+            components.trainer.max_steps, cfg.seed
+        )  # a resume may raise max_steps: batch k stays k
+        logger = opened["logger"] = build_logger(components.logger, cfg.output_dir, resume=resume.mlflow_run)
         guard = SigtermGuard()
-        trainer = build_trainer(c.trainer, c.algorithm, cfg.output_dir, logger, policy, callbacks=[guard])
+        trainer = build_trainer(
+            components.trainer, components.algorithm, cfg.output_dir, logger, policy, callbacks=[guard]
+        )
         # From here the MLflow run is open: a SIGTERM is recorded and ends the run at the next check (summary,
         # run KILLED, exit 143), never by the default action that would leave the run RUNNING or FINISHED. The
         # engines live from the validation before training to the end of the run, then release their memory.
@@ -85,7 +93,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             elif logger:  # a new run (also a resume sent to another store explicitly)
                 log_run_start(logger, cfg, warm)
             status, recovered = validate_and_fit(trainer, module, data, resume, guard, logger)
-            summary = report_run(cfg, c, trainer, module, logger, warm, resume, status, recovered, started)
+            summary = report_run(
+                cfg, components, trainer, module, logger, warm, resume, status, recovered, started
+            )
         if status != "finished":
             raise SystemExit(EXIT_CODES[status])
         return summary

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from ais_lightning.losses.grpo import LossOutput
+
+@dataclass
+class LossOutput:
+    """What every :class:`PolicyLoss` returns."""
+
+    loss: torch.Tensor
+    """Scalar loss, differentiable w.r.t. ``logprobs`` (and ``entropy`` when the loss has an entropy bonus)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Detached scalars, keys ``loss/...`` (each loss documents its own)."""
+    shares: frozenset[str] = frozenset()
+    """The stats that are this call's share of the batch's value when the call got the batch's
+    ``denominator``: over the micro-batches of one batch they add up (the others are per-call means)."""
 
 
 class PolicyLoss(nn.Module):

@@ -308,31 +308,19 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         versions: torch.Tensor | None = None,
         dropped: int = 0,
     ) -> tuple[Experience | None, dict[str, float]]:
-        """Score a generated ``batch`` (its rows answer ``prompts[batch.prompt_index]``, groups of ``group_size``
-        contiguous rows), compute advantages, pi_old and the corrector weights, and update the step's metrics.
-
-        ``keep_graph``: run pi_old's forward with autograd and keep it as ``Experience.current``, the forward of the
-        loss; exact only when a single optimizer step follows (the weights have not moved since pi_old). ``versions``
-        (``[B]``, the policy version that generated each row) and ``dropped`` (rows discarded as too stale) make the
-        asynchronous mode's staleness statistics and the split of the mismatch; None in the synchronous loop.
-
-        Returns ``(None, stats)`` when any rank has non-finite log-probs on valid tokens: the step is skipped on
-        every rank (the decision is all-reduced, so collectives stay matched).
-        """
-        if self.policy.router_replay and batch.routing is None:
-            raise ValueError(
-                f"policy.router_replay=true, but the rollout engine ({type(self.engine).__name__}) returned no routing "
-                "(RolloutBatch.routing): use an engine that records it (TorchRolloutEngine) or router_replay=false"
-            )
+        """Score a generated ``batch`` (rows answer ``prompts[batch.prompt_index]``, groups of ``group_size`` contiguous
+        rows), compute advantages, pi_old and the corrector weights, and update the step's metrics. ``keep_graph``: keep
+        pi_old's forward for the loss (``Experience.current``; exact when one optimizer step follows). ``versions``
+        (``[B]``, each row's generating version) and ``dropped`` (rows discarded as too stale): the asynchronous mode's
+        staleness and split of the mismatch. ``(None, stats)`` when some rank has non-finite log-probs on valid tokens:
+        the step is skipped on every rank (an all-reduced decision, so collectives stay matched)."""
         rewards, n_failed = self.score(batch, prompts, fields)  # [B]
         mask = batch.response_mask  # [B, T]
-        t1, grad_h = time.perf_counter(), self._loss_needs_entropy
-        with torch.set_grad_enabled(keep_graph):  # entropy values only unless the loss differentiates it
-            pi_old = self.policy.batch_logprobs(batch, self.sampling.temperature, True, entropy_grad=grad_h)
-        logprob_time = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        pi_old = self._trainer_logprobs(batch, keep_graph)
+        stats = {**rollout_stats(batch, rewards, n_failed), "time/logprob_s": time.perf_counter() - t1}
         # [B, T] each, values only: the corrector and the metrics never differentiate them
         train_lp, entropy, impurity = (t.detach() for t in (pi_old.logprobs, pi_old.entropy, pi_old.impurity))
-        stats = {**rollout_stats(batch, rewards, n_failed), "time/logprob_s": logprob_time}
         valid_lp = torch.where(mask, train_lp + batch.rollout_logprobs, torch.zeros_like(train_lp))  # [B, T]
         finite = self._all_ranks_finite(valid_lp)
         stats["train/nonfinite_logprobs"] = float(not finite)
@@ -355,15 +343,14 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         train_mask = mask if keep is None else mask & keep.unsqueeze(-1)  # [B, T]
         # delta = log pi_old - log mu, once: the corrector and every mismatch metric read it.
         delta = ops.log_ratio(train_lp, batch.rollout_logprobs, mask)  # [B, T]
-        replay = self.policy.routing_replay
-        last = replay.last_routing() if replay is not None else None
-        version_lp, stale_delta = (
-            (stale.version_logprobs, stale.log_ratio) if stale is not None else (None, None)
+        routing = (
+            self.policy.routing_replay.last_routing() if self.policy.routing_replay is not None else None
         )
-        own_routing = last[0] if last is not None else None
-        self.step_metrics.update(
-            batch, train_lp, delta, advantages, entropy, impurity, version_lp, own_routing, stale_delta
-        )
+        own_routing = (
+            routing[0] if routing is not None else None
+        )  # the trainer's own experts in pi_old's forward
+        self.step_metrics.update(batch, train_lp, delta, advantages, entropy, impurity, stale, own_routing)
+        stale_delta = stale.log_ratio if stale is not None else None
         masked = (
             (lambda t: t) if keep is None else (lambda t: torch.where(train_mask, t, torch.zeros_like(t)))
         )
@@ -381,6 +368,19 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         kept = correction.mask & train_mask
         current = pi_old if keep_graph else None
         return Experience(batch, rewards, advantages, train_lp, correction.weights, kept, current), stats
+
+    def _trainer_logprobs(self, batch: RolloutBatch, keep_graph: bool) -> Any:
+        """pi_old of ``batch``'s tokens with entropy and impurity (with autograd when ``keep_graph``; the entropy's only
+        when the loss differentiates it), its MoE routing replayed from the engine's when ``policy.router_replay``."""
+        if self.policy.router_replay and batch.routing is None:
+            raise ValueError(
+                f"policy.router_replay=true, but the rollout engine ({type(self.engine).__name__}) returned no routing "
+                "(RolloutBatch.routing): use an engine that records it (TorchRolloutEngine) or router_replay=false"
+            )
+        with torch.set_grad_enabled(keep_graph):
+            return self.policy.batch_logprobs(
+                batch, self.sampling.temperature, compute_entropy=True, entropy_grad=self._loss_needs_entropy
+            )
 
     def _check_fp32_alignment(self, prompts: list[str]) -> dict[str, float]:
         """The optional gate ``max_fp32_mult_prob_error`` (:func:`ais_lightning.modules.alignment_gate.fp32_alignment`);

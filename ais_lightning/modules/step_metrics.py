@@ -52,14 +52,16 @@ class StepMetrics(nn.Module):
         advantages: torch.Tensor,
         entropy: torch.Tensor,
         impurity: torch.Tensor,
-        version_logprobs: torch.Tensor | None = None,
+        stale: Any = None,
         own_routing: torch.Tensor | None = None,
-        stale_log_ratio: torch.Tensor | None = None,
     ) -> None:
         """One step's rollout ``batch``, pi_old (``train_logprobs`` ``[B, T]``) and ``delta`` = its clamped log-ratio
-        to mu, the ``advantages``, the trainer's ``entropy`` and ``impurity`` ``[B, T]``; ``version_logprobs``
-        (pi_v) for the split; ``own_routing`` the trainer's own ``[B, P + T, L, k]`` experts; ``stale_log_ratio`` the
-        staleness part of ``delta``, which ``mismatch/ais_lambda`` reads as the AIS corrector does."""
+        to mu, the ``advantages``, the trainer's ``entropy`` and ``impurity`` ``[B, T]``; ``stale`` an asynchronous
+        step's ``StaleMeasure`` (pi_v for the split, and the staleness part of ``delta``, which
+        ``mismatch/ais_lambda`` reads as the AIS corrector does); ``own_routing`` the trainer's own
+        ``[B, P + T, L, k]`` experts."""
+        version_logprobs = stale.version_logprobs if stale is not None else None
+        stale_log_ratio = stale.log_ratio if stale is not None else None
         mask = batch.response_mask  # [B, T]
         self.mismatch.update(
             train_logprobs,

@@ -558,41 +558,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.fake_quant_weights = self.on_cpu and precision == "fp8"
 
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
-        if isinstance(model, nn.Module):
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="ais_vllm_model_")
-            model.save_pretrained(self._tmpdir.name)
-            path = self._tmpdir.name
-        else:
-            path = os.fspath(model)
-            if not os.path.isdir(path):
-                raise ValueError(f"model path {path!r} is not a directory")
-        self.model_path = path
-
+        path = self.model_path = self._model_directory(model)
         kwargs: dict[str, Any] = dict(enforce_eager=True)
         kwargs.update(llm_kwargs)
-        env: dict[str, str] = {}
-        if self.on_cpu:
-            self.device = torch.device("cpu")
-            if gpu_memory_utilization is not None:
-                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            elif "kv_cache_memory_bytes" not in kwargs:
-                kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
-        else:
-            import torch.distributed as dist
-
-            self.device = torch.device(args["device"])
-            free, total = torch.cuda.mem_get_info(self.device)
-            distributed = dist.is_available() and dist.is_initialized()
-            placement, env = cuda_placement(
-                self.device.index,
-                free,
-                total,
-                gpu_memory_utilization,
-                rank=dist.get_rank() if distributed else 0,
-                world_size=dist.get_world_size() if distributed else 1,
-                reserve_bytes=reserve_bytes,
-            )
-            kwargs.update(placement)
+        env = self._place(args["device"], gpu_memory_utilization, kwargs, reserve_bytes)
         if precision == "fp8" and not self.on_cpu:
             kwargs["quantization"] = VLLM_FP8_QUANTIZATION
         dtype = "float32" if self.fake_quant_weights else _DTYPES[precision]
@@ -609,6 +578,61 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             **kwargs,
         )
+        self._read_model(path, pad_token_id, precision)
+        _OPEN.add(self)
+        if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
+            self.sync_weights(_safetensors_state(path))
+
+    def _model_directory(self, model: nn.Module | str | os.PathLike[str]) -> str:
+        """The checkpoint directory vLLM loads: ``model`` saved to a temporary directory (removed by :meth:`close`),
+        or ``model`` itself when it is a directory path."""
+        if isinstance(model, nn.Module):
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="ais_vllm_model_")
+            model.save_pretrained(self._tmpdir.name)
+            return self._tmpdir.name
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise ValueError(f"model path {path!r} is not a directory")
+        return path
+
+    def _place(
+        self,
+        device: str | None,
+        gpu_memory_utilization: float | None,
+        kwargs: dict[str, Any],
+        reserve_bytes: int = 0,
+    ) -> dict[str, str]:
+        """Set :attr:`device` and add to the ``LLM`` ``kwargs`` where its memory goes: on CPU the KV cache's bytes (or
+        ``gpu_memory_utilization``), on a GPU this rank's share of the device less ``reserve_bytes`` for the trainer
+        (:func:`cuda_placement`); returns the environment variables vLLM starts under."""
+        if self.on_cpu:
+            self.device = torch.device("cpu")
+            if gpu_memory_utilization is not None:
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            elif "kv_cache_memory_bytes" not in kwargs:
+                kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+            return {}
+        import torch.distributed as dist
+
+        self.device = torch.device(device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        distributed = dist.is_available() and dist.is_initialized()
+        placement, env = cuda_placement(
+            self.device.index,
+            free,
+            total,
+            gpu_memory_utilization,
+            rank=dist.get_rank() if distributed else 0,
+            world_size=dist.get_world_size() if distributed else 1,
+            reserve_bytes=reserve_bytes,
+        )
+        kwargs.update(placement)
+        return env
+
+    def _read_model(self, path: str, pad_token_id: int | None, precision: str) -> None:
+        """What the engine reads of the model vLLM loaded: the vocabulary size, the pad token (``pad_token_id``, else
+        the config's, else 0) and the shapes a weight sync must match (a tied ``lm_head`` optional); at ``precision``
+        fp8, a warning naming the merged linears whose 128-row blocks straddle two projections."""
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         if pad_token_id is None:
@@ -627,9 +651,6 @@ class VLLMRolloutEngine(RolloutEngine):
         embed = next((k for k in self._shapes if k.endswith("embed_tokens.weight")), None)
         if getattr(hf_config.get_text_config(), "tie_word_embeddings", False) and embed is not None:
             self._optional_shapes["lm_head.weight"] = self._shapes[embed]
-        _OPEN.add(self)
-        if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
-            self.sync_weights(_safetensors_state(path))
 
     @classmethod
     def check_args(cls, **kwargs: Any) -> dict[str, Any]:

@@ -36,7 +36,6 @@ from ais_lightning.tasks.base import (
     TaskSample,
     check_aligned,
     check_format,
-    register_task,
     to_ascii,
 )
 
@@ -186,10 +185,12 @@ def load_rows(
         raise ValueError(f"gsm8k file {path} could not be read: {type(err).__name__}: {err}") from err
 
 
-@register_task("gsm8k")
 @dataclass
 class GSM8K(Task):
     """Word problems from a local GSM8K-format file; reward 1 if the final answer matches the gold number."""
+
+    name: ClassVar[str] = "gsm8k"
+    """Its name in the registry (``TASKS``) and in messages."""
 
     path: str = ""
     """Local ``.jsonl``/``.json``/``.parquet`` file with ``question`` and ``answer`` fields."""

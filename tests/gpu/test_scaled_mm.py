@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 from ais_lightning.quant import QuantLinear, fake_quantize, quantize
 from ais_lightning.quant.linear import (
     blockwise_activation_operands,
@@ -132,7 +131,7 @@ def test_fp8_gemm_requirements_follow_scaled_mm(recipe, capability, cuda, match)
 
 def _compose_rollout(*overrides: str):
     with initialize_config_dir(
-        config_dir=str(__import__("pathlib").Path(ais_lightning.__file__).parent / "app" / "conf"),
+        config_dir=str(CONFIG_DIR),
         version_base="1.3",
     ):
         return compose("train", overrides=["output_dir=/tmp/unused", *overrides])

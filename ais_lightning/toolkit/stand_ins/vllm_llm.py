@@ -85,6 +85,7 @@ def _autocast_on() -> bool:
 
 
 def _llm_class(vllm: StandInVLLM) -> type:
+    # One piece: the stand-in classes close over the one StandInVLLM they count for; split, they would need it passed.
     class EngineCore:
         def __init__(self, engine: Any) -> None:
             self.engine = engine

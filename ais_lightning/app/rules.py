@@ -48,6 +48,7 @@ def check_components(components: Any, cfg: DictConfig) -> None:
     _check_router_replay(components, cfg)
     _check_correction(components, cfg)
     _check_integer_gemm(components)
+    _check_staleness(components)
     components.algorithm.check_components(components, cfg)  # the algorithm's own rules (Sol-RL's)
     if components.policy.aligned_quantization is not None and components.trainer.strategy != "auto":
         raise ValueError(
@@ -183,3 +184,21 @@ def _check_head_precision(components: Any, cfg: DictConfig) -> None:
         "%s.head_dtype",
         policy_head, engine_head, dtype, on, fix, on,
     )  # fmt: skip
+
+
+def _check_staleness(components: Any) -> None:
+    """Asynchronous GRPO's rules between groups: an adaptive bound needs a target or a loss that declares its trust
+    region; rollout workers generate autoregressive, dense rollouts (their chunks carry no routing or extras)."""
+    algorithm, loss = components.algorithm, components.loss
+    if algorithm.adaptive_staleness and algorithm.staleness_chi2_target is None and not loss.trust_region:
+        raise ValueError(
+            "algorithm.adaptive_staleness=true with algorithm.staleness_chi2_target=null takes the loss's trust region "
+            f"squared, and loss ({type(loss).__name__}) declares none: set algorithm.staleness_chi2_target"
+        )
+    if components.workers is None:
+        return
+    if components.policy.MODEL_FAMILY != "autoregressive" or components.policy.router_replay:
+        raise ValueError(
+            "workers=ray runs autoregressive, dense rollouts: a masked-diffusion policy (policy.MODEL_FAMILY) or "
+            "policy.router_replay=true needs the in-process engine (workers=null)"
+        )

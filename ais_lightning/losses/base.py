@@ -32,6 +32,8 @@ class PolicyLoss(nn.Module):
       (with its gradient) / ``ref_logprobs`` (then it keeps a frozen reference policy).
     - :attr:`own_correction` [None]: None, or a sentence saying how the loss corrects the rollout mismatch itself
       (then it accepts only identity ``weights``, and a run's corrector must be ``none``).
+    - :attr:`trust_region` [None]: how far one update may move a token's ratio to the old policy (PPO's clip
+      epsilon), or None; an adaptive staleness bound keeps stale rows within it by default.
 
     Example:
         >>> from ais_lightning.losses import GRPOLoss, PolicyLoss, TBPOLoss
@@ -48,6 +50,8 @@ class PolicyLoss(nn.Module):
     """Whether ``forward`` needs ``ref_logprobs`` (a KL penalty against a frozen reference)."""
     own_correction: str | None = None
     """How the loss corrects the rollout mismatch itself (it then takes no importance weights), or None."""
+    trust_region: float | None = None
+    """How far one update may move a token's ratio pi_theta / pi_old away from 1 (PPO's clip epsilon), or None."""
 
     def forward(
         self,

@@ -286,6 +286,7 @@ class GRPOLoss(PolicyLoss):
             )
         self.epsilon_low = float(epsilon_low)
         self.epsilon_high = float(epsilon_high)
+        self.trust_region = min(self.epsilon_low, self.epsilon_high)  # the tighter side of the clip
         self.dual_clip = None if dual_clip is None else float(dual_clip)
         self.kl_coef = float(kl_coef)
         self.entropy_coef = float(entropy_coef)

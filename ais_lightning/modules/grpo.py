@@ -121,7 +121,8 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
             stop_token_ids=[policy.tokenizer.eos_token_id],
         )
         self.reference = copy.deepcopy(policy).requires_grad_(False) if loss.needs_reference else None
-        self.staleness = StalenessStep(policy, s) if s.max_staleness > 0 or workers is not None else None
+        async_mode = s.max_staleness > 0 or workers is not None
+        self.staleness = StalenessStep(policy, s, loss.trust_region) if async_mode else None
         """The asynchronous mode's bookkeeping (snapshots, pi_v, the bound); None in the synchronous loop."""
         split = self.staleness is not None and self.staleness.scorer is not None
         self.step_metrics = StepMetrics(moe_layers=len(moe_routers(policy.model)), with_split=split)

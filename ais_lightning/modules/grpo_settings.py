@@ -100,10 +100,14 @@ class GRPOSettings:
     rollout_lag_random: bool = False
     """Draw each step's lag uniformly from ``rollout_lag`` (seeded by the run's seed and the step) instead of
     cycling through it: staleness that varies from step to step."""
+    adaptive_staleness: bool = False
+    """An adaptive bound (``ais_lightning.staleness.AdaptiveStalenessBound``): each step's bound is the largest
+    staleness (<= ``max_staleness``) whose predicted chi^2 of the staleness part, from the measured drift per version,
+    stays within ``staleness_chi2_target``: the trainer waits for fresher rollouts when the policy moves fast. False:
+    the fixed bound ``max_staleness``. Needs ``measure_staleness``."""
     staleness_chi2_target: float | None = None
-    """An adaptive bound (``ais_lightning.staleness.AdaptiveStalenessBound``): the bound of each step is the largest
-    staleness (<= ``max_staleness``) whose predicted chi^2 of the staleness part stays within this target, from the
-    measured drift per version; None = the fixed bound ``max_staleness``. Needs ``measure_staleness``."""
+    """The adaptive bound's target; None: the loss's trust region squared (epsilon^2 of PPO's clip, 0.04 for GRPO's
+    default: stale rows stay, on average, as close to pi_prox as one update may move it; docs/async.md)."""
     measure_staleness: bool = True
     """With ``max_staleness > 0``: split the mismatch into its precision part log(pi_v / mu) and its staleness part
     log(pi_prox / pi_v) (``mismatch/precision/*``, ``mismatch/staleness/*``) by scoring the stale rows with the
@@ -177,7 +181,7 @@ class GRPOSettings:
         check_lag(self.rollout_lag)
         if self.rollout_lag is not None:
             self.rollout_lag = [int(k) for k in self.rollout_lag]
-        for name in ("rollout_lag_random", "measure_staleness"):
+        for name in ("rollout_lag_random", "measure_staleness", "adaptive_staleness"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_staleness == 0 and any(self.rollout_lag or []):
@@ -186,14 +190,17 @@ class GRPOSettings:
                 "(the bound on how old a trained rollout may be)"
             )
         target = self.staleness_chi2_target
-        if target is not None:
-            if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
-                raise ValueError(f"staleness_chi2_target must be a finite number > 0 or None, got {target!r}")
-            if self.max_staleness == 0 or not self.measure_staleness:
-                raise ValueError(
-                    "staleness_chi2_target (an adaptive staleness bound) needs max_staleness > 0 and "
-                    "measure_staleness=true (the bound follows the measured staleness mismatch)"
-                )
+        if target is not None and (
+            isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf
+        ):
+            raise ValueError(f"staleness_chi2_target must be a finite number > 0 or None, got {target!r}")
+        if not isinstance(self.adaptive_staleness, bool):
+            raise ValueError(f"adaptive_staleness must be true or false, got {self.adaptive_staleness!r}")
+        if self.adaptive_staleness and (self.max_staleness == 0 or not self.measure_staleness):
+            raise ValueError(
+                "adaptive_staleness needs max_staleness > 0 (its largest bound) and measure_staleness=true (the "
+                "bound follows the measured staleness mismatch)"
+            )
 
     @property
     def lag(self) -> list[int]:

@@ -37,8 +37,10 @@ class StalenessStep:
 
     Args:
         policy: the trainer's policy (copied once for the scorer, before any sharding).
-        settings: ``GRPOSettings`` (``max_staleness``, ``measure_staleness``, ``staleness_chi2_target``,
-            ``temperature``).
+        settings: ``GRPOSettings`` (``max_staleness``, ``measure_staleness``, ``adaptive_staleness``,
+            ``staleness_chi2_target``, ``temperature``).
+        trust_region: the loss's (``PolicyLoss.trust_region``): its square is the adaptive bound's target when
+            ``staleness_chi2_target`` is None.
     """
 
     HISTORY_STATS: ClassVar[dict[str, str]] = {
@@ -49,12 +51,21 @@ class StalenessStep:
     }
     """What each history entry records of an asynchronous step (when measured)."""
 
-    def __init__(self, policy: Any, settings: Any) -> None:
+    def __init__(self, policy: Any, settings: Any, trust_region: float | None = None) -> None:
         self.max_staleness, self.temperature = settings.max_staleness, settings.temperature
         self.snapshots = WeightSnapshots(keep=settings.max_staleness + 1)
         self.scorer = VersionScorer(policy) if settings.measure_staleness and settings.max_staleness else None
-        target = settings.staleness_chi2_target
-        self.adaptive = AdaptiveStalenessBound(settings.max_staleness, target) if target is not None else None
+        self.adaptive = None
+        if settings.adaptive_staleness:
+            target = settings.staleness_chi2_target
+            if target is None and not trust_region:
+                raise ValueError(
+                    "algorithm.adaptive_staleness with staleness_chi2_target=null takes the loss's trust region "
+                    "squared, and this loss declares none (PolicyLoss.trust_region): set "
+                    "algorithm.staleness_chi2_target"
+                )
+            target = target if target is not None else trust_region**2
+            self.adaptive = AdaptiveStalenessBound(settings.max_staleness, target)
 
     def bound(self) -> int:
         """The staleness bound of the next generation: the adaptive one, else ``max_staleness``."""

@@ -111,7 +111,7 @@ def test_a_resume_continues_versions_and_snapshots(tmp_path):
 
 
 def test_the_adaptive_bound_waits_when_the_drift_exceeds_its_target():
-    module = _module(max_staleness=3, staleness_chi2_target=1e-12, lr=3e-2)
+    module = _module(max_staleness=3, adaptive_staleness=True, staleness_chi2_target=1e-12, lr=3e-2)
     _train(module, 4)
     bounds = [h["staleness_bound"] for h in module.history]
     assert bounds[0] == 3.0 and bounds[-1] == 0.0  # a drift far above the target: fresh rollouts only
@@ -142,3 +142,9 @@ def test_every_corrector_accepts_a_stale_batch(name):
     )
     assert out.weights.shape == (8, 5) and bool(torch.isfinite(out.weights).all())
     assert all(torch.isfinite(torch.tensor(v)) for v in out.stats.values())
+
+
+def test_the_adaptive_bound_defaults_to_the_loss_trust_region():
+    module = _module(max_staleness=3, adaptive_staleness=True)
+    assert module.staleness.adaptive.chi2_target == pytest.approx(0.2**2)  # GRPOLoss's epsilon_low 0.2
+    assert _module(max_staleness=3).staleness.adaptive is None

@@ -210,8 +210,8 @@ class RaySource(RolloutSource):
         self.ray = ray = import_ray()
         self.settings, self.on_stale = settings, on_stale
         self.bound = bound if callable(bound) else (lambda: int(bound))
-        self.started_cluster = not ray.is_initialized()
-        if self.started_cluster:
+        self.initialized_ray = not ray.is_initialized()
+        if self.initialized_ray:
             keep = signal.getsignal(
                 signal.SIGTERM
             )  # ray.init installs its own SIGTERM handler: the run's stays
@@ -367,7 +367,8 @@ class RaySource(RolloutSource):
         return dict(self._timings)
 
     def close(self) -> None:
-        """Kill the workers; shut down the cluster if this source started it (safe to call twice)."""
+        """Kill the workers; ``ray.shutdown()`` if this source initialized Ray: it stops a local cluster, and only
+        disconnects from a cluster it joined (``address``), which keeps running (safe to call twice)."""
         ray = self.ray
         if not ray.is_initialized():
             return
@@ -377,7 +378,7 @@ class RaySource(RolloutSource):
             except Exception:  # already dead
                 pass
         self.workers, self.steps = [], {}
-        if self.started_cluster:
+        if self.initialized_ray:
             ray.shutdown()
 
 

@@ -5,10 +5,12 @@ that ask for the resource are placed on the second node, and ``workers.address``
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,8 +54,11 @@ def _stop(marker: str) -> None:
             pass
 
 
-def test_workers_are_placed_on_the_node_that_has_their_resource(tmp_path):
-    temp = str(tmp_path / "ray")  # every process of this cluster names it
+def test_workers_are_placed_on_the_node_that_has_their_resource():
+    temp = tempfile.mkdtemp(
+        prefix="ray", dir="/tmp"
+    )  # every process of this cluster names it (and Ray's unix
+    # socket paths under it must stay below 108 bytes, which a pytest tmp_path does not)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     gcs, *ports = _free_ports(9)
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats", f"--temp-dir={temp}"]
@@ -90,13 +95,18 @@ def test_workers_are_placed_on_the_node_that_has_their_resource(tmp_path):
         workers = RayWorkers(address=f"127.0.0.1:{gcs}", resources={"rollout": 1}, threads=1, timeout_s=300)
         source = workers.build_source(local, factory, model, version=0, named_tensors=weights, bound=0)
         try:
-            assert not source.started_cluster  # joined the running cluster
             nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
             assert len(nodes) == 2
             assert "rollout" in nodes[source.where[0][1]] and "trainer" not in nodes[source.where[0][1]]
         finally:
-            source.close()
+            source.close()  # disconnects: the cluster it joined keeps running
+        assert not ray.is_initialized()
+        ray.init(address=f"127.0.0.1:{gcs}")
+        try:
+            assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        finally:
             ray.shutdown()
     finally:
         os.environ.pop("RAY_AUTH_MODE", None)
         _stop(temp)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -197,6 +197,12 @@ def _check_staleness(components: Any) -> None:
         )
     if components.workers is None:
         return
+    trainer = components.trainer
+    if trainer.strategy != "auto" or trainer.world_size > 1:
+        raise ValueError(
+            "workers=ray with several trainer processes (trainer.strategy / devices / num_nodes) is not supported yet: "
+            "each rank would start its own workers; train in one process (trainer=cpu) or use the in-process engine"
+        )
     if components.policy.MODEL_FAMILY != "autoregressive" or components.policy.router_replay:
         raise ValueError(
             "workers=ray runs autoregressive, dense rollouts: a masked-diffusion policy (policy.MODEL_FAMILY) or "

@@ -36,3 +36,25 @@ def test_max_staleness_2_trains_with_stale_rows_and_logs_both_parts(tmp_path: Pa
 def test_a_lag_without_a_bound_is_refused_naming_the_keys(tmp_path: Path):
     with pytest.raises(AssertionError, match=r"rollout_lag=\[1, 2\].*needs max_staleness > 0"):
         run_train([*SMOKE, "algorithm.rollout_lag=[1,2]", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["workers=ray", "trainer=fsdp2"], "workers=ray with several trainer processes"),
+        (
+            ["workers=ray", "policy=tiny_qwen3_moe", "policy.router_replay=true"],
+            "workers=ray runs autoregressive, dense",
+        ),
+        (
+            ["algorithm.max_staleness=2", "algorithm.adaptive_staleness=true", "loss=tbpo", "corrector=none"],
+            "adaptive_staleness",
+        ),
+    ],
+)
+def test_asynchronous_rules_are_checked_before_anything_heavy(overrides, message):
+    from ais_lightning.app.build import validate
+    from ais_lightning.app.config import compose_train_config
+
+    with pytest.raises(ValueError, match=message):
+        validate(compose_train_config([*SMOKE, "output_dir=/tmp/unused", *overrides]))

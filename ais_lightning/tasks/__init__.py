@@ -19,9 +19,11 @@ from ais_lightning.tasks.base import (
     batch_rewards,
     first_line,
     get_task,
+    map_characters,
     register_task,
     safe_rewards,
     to_ascii,
+    tokenizer_keeps,
 )
 from ais_lightning.tasks.countdown import Countdown
 from ais_lightning.tasks.datamodule import PromptDataModule, PromptStream, collate_samples, task_fields
@@ -48,9 +50,11 @@ __all__ = [
     "extract_answer",
     "first_line",
     "get_task",
+    "map_characters",
     "normalize_answer",
     "register_task",
     "safe_rewards",
     "task_fields",
     "to_ascii",
+    "tokenizer_keeps",
 ]

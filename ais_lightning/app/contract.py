@@ -72,7 +72,9 @@ class ConfigInCheckpoint(Callback):
 
 def continuing(key: str) -> bool:
     """Whether changing ``key`` keeps the checkpoint's MLflow run (:data:`CONTINUING_KEYS`)."""
-    return any(key == k or (k.endswith(".") and (key.startswith(k) or key == k[:-1])) for k in CONTINUING_KEYS)
+    return any(
+        key == k or (k.endswith(".") and (key.startswith(k) or key == k[:-1])) for k in CONTINUING_KEYS
+    )
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

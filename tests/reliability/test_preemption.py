@@ -168,3 +168,28 @@ def test_the_next_preemption_checkpoint_number_ignores_hash_sidecars(tmp_path: P
     assert (
         Path(_CheckpointConnector.hpc_save_path(tmp_path)).name == "hpc_ckpt_2257.ckpt"
     )  # why not Lightning's
+
+
+@pytest.mark.slow
+def test_a_requeued_job_resumes_from_the_preemption_checkpoint_lightning_left(
+    slurm, in_process, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Case 2 as the issue found it: Lightning's handler left ``hpc_ckpt_1.ckpt`` and its ``.sha256`` at the top of
+    the run directory, and the requeued job asked for ``hpc_ckpt_1256.ckpt`` (FileNotFoundError, a new MLflow run
+    left FAILED). ``ckpt_path`` unset in a requeued job now means the newest checkpoint that verifies."""
+    import shutil
+
+    out = tmp_path / "run"
+    in_process([*COMMON, "trainer.max_steps=2", f"output_dir={out}"])
+    (first,) = mlflow_runs(out / "mlflow.db")
+    for suffix in ("", ".sha256"):  # written after the run's own checkpoints: the newest
+        shutil.copy(out / "checkpoints" / f"step000001.ckpt{suffix}", out / f"hpc_ckpt_1.ckpt{suffix}")
+    (out / "hpc_ckpt_1.ckpt.sha256").write_text(
+        (out / "hpc_ckpt_1.ckpt.sha256").read_text().replace("step000001.ckpt", "hpc_ckpt_1.ckpt")
+    )
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    summary = in_process([*COMMON, "trainer.max_steps=3", f"output_dir={out}"])
+    assert summary["status"] == "finished" and summary["steps"] == 3
+    (record,) = mlflow_runs(out / "mlflow.db")
+    assert record.info.run_id == first.info.run_id and record.info.status == "FINISHED"
+    assert "resumed_at_step_1" in record.data.tags

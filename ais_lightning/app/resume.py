@@ -25,7 +25,7 @@ from ais_lightning.app.contract import (
     describe_changes,
     run_config,
 )
-from ais_lightning.app.tracking import is_mlflow, reopen_run, sqlite_path, sqlite_uri
+from ais_lightning.app.tracking import is_mlflow, log_run_start, reopen_run, sqlite_path, sqlite_uri
 from ais_lightning.files import CorruptFileError, VerifiedCheckpointIO, hash_path, verify_file
 
 log = logging.getLogger("ais_lightning.app.train")  # the run's own logger: resume messages read as the run's
@@ -100,6 +100,16 @@ class Resume:
         (:func:`ais_lightning.app.contract.check_state_fits`); before any MLflow run is opened or changed."""
         if self.ckpt_path:
             check_state_fits(module, self.checkpoint, self.changes, self.ckpt_path)
+
+    def open_record(self, logger: Any, cfg: Any, warm: Any) -> None:
+        """The MLflow record of the run: the checkpoint's run continued (:meth:`reopen`), or a new run
+        (``log_run_start``: from scratch, sent to another store, or a resume that changed the recipe, then
+        linked to the checkpoint's run: :meth:`link`). Nothing without an MLflow logger."""
+        if self.continues(logger):
+            self.reopen(logger)
+        elif logger:
+            log_run_start(logger, cfg, warm)
+            self.link(logger)
 
     def reopen(self, logger: Any) -> None:
         """Continue the checkpoint's run: RUNNING again, tagged ``resumed_at_step_<N>`` with the checkpoint (and

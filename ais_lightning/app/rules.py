@@ -56,32 +56,33 @@ def check_seeds(cfg: DictConfig) -> None:
             )
 
 
-def check_components(c: Any, cfg: DictConfig) -> None:
-    """Every rule between config groups, on the built components ``c`` (``ais_lightning.app.build.Components``: the
+def check_components(components: Any, cfg: DictConfig) -> None:
+    """Every rule between config groups, on the built components ``components`` (``ais_lightning.app.build.Components``: the
     policy spec, the engine specs, the loss, the corrector, the settings) and the composed ``cfg`` (for naming
     targets); ValueError naming the keys."""
-    _check_outlier_channels(c)
-    _check_family(c, cfg)
-    _check_response_length(c)
-    _check_router_replay(c, cfg)
-    _check_correction(c, cfg)
-    _check_integer_gemm(c)
-    c.algorithm.check_components(c, cfg)  # the algorithm's own rules (Sol-RL's)
-    if c.policy.aligned_quantization is not None and c.trainer.strategy != "auto":
+    _check_outlier_channels(components)
+    _check_family(components, cfg)
+    _check_response_length(components)
+    _check_router_replay(components, cfg)
+    _check_correction(components, cfg)
+    _check_integer_gemm(components)
+    _check_staleness(components)
+    components.algorithm.check_components(components, cfg)  # the algorithm's own rules (Sol-RL's)
+    if components.policy.aligned_quantization is not None and components.trainer.strategy != "auto":
         raise ValueError(
             "policy.aligned_quantization is not supported with sharded strategies yet (trainer.strategy)"
         )
-    _check_float16(c)
-    _check_head_precision(c, cfg)
+    _check_float16(components)
+    _check_head_precision(components, cfg)
     check_aligned_schedule_engine(
-        c.policy.aligned_schedule, c.engine
+        components.policy.aligned_schedule, components.engine
     )  # the engine follows a progressive schedule
 
 
-def _check_outlier_channels(c: Any) -> None:
+def _check_outlier_channels(components: Any) -> None:
     """An aligned trainer forward runs the recipe on every channel: the engine keeps none in high precision."""
-    fraction = c.engine.keywords.get("outlier_fraction")
-    if c.policy.aligned_quantization is not None and fraction is not None and fraction > 0:
+    fraction = components.engine.keywords.get("outlier_fraction")
+    if components.policy.aligned_quantization is not None and fraction is not None and fraction > 0:
         raise ValueError(
             f"rollout.outlier_fraction={fraction} keeps outlier channels in high precision in the engine, but "
             "policy.aligned_quantization runs the trainer's forward through the recipe on every channel: set "
@@ -89,8 +90,8 @@ def _check_outlier_channels(c: Any) -> None:
         )
 
 
-def _check_family(c: Any, cfg: DictConfig) -> None:
-    policy_family, engine_family = c.policy.MODEL_FAMILY, c.engine.engine_class.MODEL_FAMILY
+def _check_family(components: Any, cfg: DictConfig) -> None:
+    policy_family, engine_family = components.policy.MODEL_FAMILY, components.engine.engine_class.MODEL_FAMILY
     if policy_family != engine_family:
         raise ValueError(
             f"rollout._target_={cfg.rollout._target_} samples {engine_family} models but the policy "
@@ -98,22 +99,22 @@ def _check_family(c: Any, cfg: DictConfig) -> None:
         )
 
 
-def _check_response_length(c: Any) -> None:
-    length = c.policy.response_length
-    if length is not None and length != c.algorithm.max_new_tokens:
+def _check_response_length(components: Any) -> None:
+    length = components.policy.response_length
+    if length is not None and length != components.algorithm.max_new_tokens:
         raise ValueError(
-            f"policy.response_length={length} must equal algorithm.max_new_tokens={c.algorithm.max_new_tokens} "
+            f"policy.response_length={length} must equal algorithm.max_new_tokens={components.algorithm.max_new_tokens} "
             "(a masked-diffusion policy is warm-started on the canvas length its engine samples)"
         )
-    if length is not None and c.warmstart.enabled and c.warmstart.max_new_tokens != length:
+    if length is not None and components.warmstart.enabled and components.warmstart.max_new_tokens != length:
         raise ValueError(
-            f"warmstart.max_new_tokens={c.warmstart.max_new_tokens} must equal policy.response_length={length} "
+            f"warmstart.max_new_tokens={components.warmstart.max_new_tokens} must equal policy.response_length={length} "
             "(the warm start's greedy evaluation samples a canvas of that length)"
         )
 
 
-def _check_router_replay(c: Any, cfg: DictConfig) -> None:
-    if c.policy.router_replay and not c.engine.engine_class.RECORDS_ROUTING:
+def _check_router_replay(components: Any, cfg: DictConfig) -> None:
+    if components.policy.router_replay and not components.engine.engine_class.RECORDS_ROUTING:
         raise ValueError(
             f"policy.router_replay=true replays the routing the rollout engine records, but rollout._target_="
             f"{cfg.rollout._target_} records none: use the torch engine (rollout=fp32/bf16/int8/fp8/fp4, ...) or "
@@ -121,49 +122,49 @@ def _check_router_replay(c: Any, cfg: DictConfig) -> None:
         )
 
 
-def _check_correction(c: Any, cfg: DictConfig) -> None:
+def _check_correction(components: Any, cfg: DictConfig) -> None:
     """One correction of the rollout mismatch, and a mu that a corrector can correct."""
-    own = c.loss.own_correction
-    if own and not isinstance(c.corrector, NoCorrection):
+    own = components.loss.own_correction
+    if own and not isinstance(components.corrector, NoCorrection):
         raise ValueError(
             f"{own}; it takes no separate importance weights: set corrector=none "
             f"(got corrector._target_={cfg.corrector._target_})"
         )
-    corrected = own or not isinstance(c.corrector, NoCorrection)
-    if corrected and (c.algorithm.top_p < 1.0 or c.algorithm.top_k > 0):
+    corrected = own or not isinstance(components.corrector, NoCorrection)
+    if corrected and (components.algorithm.top_p < 1.0 or components.algorithm.top_k > 0):
         raise ValueError(
             "algorithm.top_p/top_k renormalize mu over the kept tokens; with a corrector on keep top_p=1.0 "
             "and top_k=0"
         )
 
 
-def _check_integer_gemm(c: Any) -> None:
-    checked = c.engine.checked_arguments
-    if c.trainer.on_gpu() and checked.get("backend") == "int8" and checked.get("device") != "cpu":
+def _check_integer_gemm(components: Any) -> None:
+    checked = components.engine.checked_arguments
+    if components.trainer.on_gpu() and checked.get("backend") == "int8" and checked.get("device") != "cpu":
         raise ValueError(
             "rollout.backend=int8 (the integer W8A8 GEMM) runs on CPU; with a GPU trainer pick rollout.backend="
             "emulate, rollout=bf16/fp8_gemm/te_fp8/vllm_fp8, or keep the int8 engine on the CPU with rollout.device=cpu"
         )
 
 
-def _check_float16(c: Any) -> None:
+def _check_float16(components: Any) -> None:
     """``policy.dtype=float16`` trains on fp32 master weights with a loss scale of its own: on one process or DDP
     (``trainer.strategy=auto``) under Lightning's plain fp32 plugin."""
-    if c.policy.dtype != "float16":
+    if components.policy.dtype != "float16":
         return
-    if c.trainer.strategy != "auto":
+    if components.trainer.strategy != "auto":
         raise ValueError(
             f"policy.dtype=float16 (fp32 master weights and a dynamic loss scale) is not supported with "
-            f"trainer.strategy={c.trainer.strategy} yet: use trainer.strategy=auto, or policy.dtype=bfloat16"
+            f"trainer.strategy={components.trainer.strategy} yet: use trainer.strategy=auto, or policy.dtype=bfloat16"
         )
-    if c.trainer.precision not in FP16_TRAINER_PRECISIONS:
+    if components.trainer.precision not in FP16_TRAINER_PRECISIONS:
         raise ValueError(
             f"policy.dtype=float16 keeps its own fp32 master weights and loss scale; trainer.precision="
-            f"{c.trainer.precision} would cast or scale again: leave trainer.precision=32-true"
+            f"{components.trainer.precision} would cast or scale again: leave trainer.precision=32-true"
         )
 
 
-def _check_head_precision(c: Any, cfg: DictConfig) -> None:
+def _check_head_precision(components: Any, cfg: DictConfig) -> None:
     """With a bfloat16/float16 policy, warn (naming both keys) when the LM head computes in fp32 on one side only.
 
     Both sides compute the head from the same low-precision weights; in the model dtype both round the logits to
@@ -177,11 +178,11 @@ def _check_head_precision(c: Any, cfg: DictConfig) -> None:
     is not always worse than neither, so this warns rather than refuses. With a float32 policy the trainer's head is
     fp32 anyway and ``rollout.head_dtype=float32`` only brings a bf16/fp16 or quantized engine closer to it.
     """
-    dtype = c.policy.dtype
+    dtype = components.policy.dtype
     if dtype == "float32":
         return
-    engine_args = c.engine.checked_arguments
-    policy_head = c.policy.head_dtype
+    engine_args = components.engine.checked_arguments
+    policy_head = components.policy.head_dtype
     engine_head = engine_args.get("head_dtype")
     policy_fp32, engine_fp32 = policy_head == "float32", engine_head == "float32"
     if policy_fp32 == engine_fp32:
@@ -201,3 +202,21 @@ def _check_head_precision(c: Any, cfg: DictConfig) -> None:
         "%s.head_dtype",
         policy_head, engine_head, dtype, on, fix, on,
     )  # fmt: skip
+
+
+def _check_staleness(components: Any) -> None:
+    """Asynchronous GRPO's rules between groups: an adaptive bound needs a target or a loss that declares its trust
+    region; rollout workers generate autoregressive, dense rollouts (their chunks carry no routing or extras)."""
+    algorithm, loss = components.algorithm, components.loss
+    if algorithm.adaptive_staleness and algorithm.staleness_chi2_target is None and not loss.trust_region:
+        raise ValueError(
+            "algorithm.adaptive_staleness=true with algorithm.staleness_chi2_target=null takes the loss's trust region "
+            f"squared, and loss ({type(loss).__name__}) declares none: set algorithm.staleness_chi2_target"
+        )
+    if components.workers is None:
+        return
+    if components.policy.MODEL_FAMILY != "autoregressive" or components.policy.router_replay:
+        raise ValueError(
+            "workers=ray runs autoregressive, dense rollouts: a masked-diffusion policy (policy.MODEL_FAMILY) or "
+            "policy.router_replay=true needs the in-process engine (workers=null)"
+        )

@@ -67,47 +67,48 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from ais_lightning.app.signals import SigtermGuard
     from ais_lightning.app.store_client import request_budget
     from ais_lightning.app.summary import report_run
-    from ais_lightning.app.tracking import build_logger, check_tracking_uri, check_writable, log_run_start
+    from ais_lightning.app.tracking import build_logger, check_tracking_uri, check_writable
     from ais_lightning.app.trainer import build_trainer, validate_and_fit
 
     silence_known_noise()  # also in joblib workers, where main() does not run
     with failure_handling(cfg) as opened, contextlib.ExitStack() as held:
-        c = validate(cfg)
+        components = validate(cfg)
         check_writable(Path(cfg.output_dir), "output_dir")
         held.enter_context(run_directory_lock(cfg.output_dir))  # one writer per run directory
         resume = Resume.of(cfg)
-        check_tracking_uri(c.logger, cfg.output_dir, resume.mlflow_run)  # the store the run will log to
-        held.enter_context(request_budget(c.logger.request_retries, c.logger.request_timeout_s))
-        if c.trainer.num_threads:
-            torch.set_num_threads(c.trainer.num_threads)
+        check_tracking_uri(
+            components.logger, cfg.output_dir, resume.mlflow_run
+        )  # the store the run will log to
+        settings = components.logger
+        held.enter_context(request_budget(settings.request_retries, settings.request_timeout_s))
+        if components.trainer.num_threads:
+            torch.set_num_threads(components.trainer.num_threads)
         started = time.perf_counter()
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         fresh = resume.ckpt_path is None  # a resume starts from the checkpoint's weights: no warm start
-        policy, warm = c.initial_policy(cfg.seed, warm=fresh, progress_bar=c.trainer.enable_progress_bar)
-        module = c.grpo_module(policy, cfg.seed)
-        resume.check_state(
-            module
-        )  # a resume that cannot continue is refused before its MLflow run is touched
-        data = c.prompt_data(c.trainer.max_steps, cfg.seed)  # a resume may raise max_steps: batch k stays k
-        logger = opened["logger"] = build_logger(c.logger, cfg.output_dir, resume=resume.mlflow_run)
+        policy, warm = components.initial_policy(
+            cfg.seed, warm=fresh, progress_bar=components.trainer.enable_progress_bar
+        )
+        module = components.grpo_module(policy, cfg.seed)
+        # a resume that cannot continue is refused before its MLflow run is touched
+        resume.check_state(module)
+        data = components.prompt_data(
+            components.trainer.max_steps, cfg.seed
+        )  # a resume may raise max_steps: batch k stays k
+        logger = opened["logger"] = build_logger(components.logger, cfg.output_dir, resume=resume.mlflow_run)
         guard, preemption = SigtermGuard(), Preemption(Path(cfg.output_dir) / "checkpoints")
         callbacks = [guard, preemption, ConfigInCheckpoint(cfg), *([ResumeSettings()] if not fresh else [])]
-        trainer = build_trainer(c.trainer, c.algorithm, cfg.output_dir, logger, policy, callbacks=callbacks)
+        trainer = build_trainer(
+            components.trainer, components.algorithm, cfg.output_dir, logger, policy, callbacks=callbacks
+        )
         # From here the MLflow run is open: a SIGTERM or SIGUSR1 is recorded and ends the run at the next check
         # (summary, run KILLED, exit 143 / 138), never by the default action that would leave the run RUNNING or
-        # FINISHED. The engines live from the validation before training to the end of the run, then release
-        # their memory.
+        # FINISHED. The engines live from the validation before training to the end of the run.
         with guard.installed(), preemption.installed(), module.engines_released():
-            if resume.continues(logger):
-                resume.reopen(logger)
-            elif (
-                logger
-            ):  # a new run: from scratch, a resume that changed the recipe, or sent to another store
-                log_run_start(logger, cfg, warm)
-                resume.link(logger)
+            resume.open_record(logger, cfg, warm)  # the checkpoint's MLflow run continued, or a new one
             status, recovered = validate_and_fit(trainer, module, data, resume, [guard, preemption], logger)
             summary = report_run(
-                cfg, c, trainer, module, logger, warm, resume, status, recovered, started, preemption.outcome
+                cfg, components, trainer, module, logger, warm, resume, status, recovered, started, preemption
             )
         if status != "finished":
             raise SystemExit(EXIT_CODES[status])

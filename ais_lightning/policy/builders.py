@@ -418,20 +418,3 @@ class SmolLM2(GGUFPretrained):
     def _check_source(self) -> None:
         self.path = str(smollm2_gguf_path())
         super()._check_source()
-
-
-def _policies() -> dict[str, type]:
-    from ais_lightning.policy.diffusion import TinyLLaDA
-
-    return {
-        "tiny_qwen3": TinyQwen3,
-        "tiny_qwen3_moe": TinyQwen3Moe,
-        "local": Pretrained,
-        "gguf": GGUFPretrained,
-        "smollm2": SmolLM2,
-        "tiny_llada": TinyLLaDA,
-    }
-
-
-POLICIES: dict[str, type] = _policies()
-"""Config names of the built-in policy options (``conf/policy``)."""

@@ -7,17 +7,18 @@ with ``prompts``.
 
 Adding a task
 -------------
-Write one small module with a dataclass subclass of :class:`Task` and decorate it::
+Write one small module with a dataclass subclass of :class:`Task` whose ``name`` is its config name::
 
     from dataclasses import dataclass
     import random
+    from typing import ClassVar
 
-    from ais_lightning.tasks import Task, TaskSample, register_task
+    from ais_lightning.tasks import Task, TaskSample, first_line
 
 
-    @register_task("reverse")
     @dataclass
     class Reverse(Task):
+        name: ClassVar[str] = "reverse"
         length: int = 5
         '''Characters per word.'''
 
@@ -28,10 +29,11 @@ Write one small module with a dataclass subclass of :class:`Task` and decorate i
         def reward(self, prompts, completions, answer=None, **fields):
             return [float(first_line(c) == a) for c, a in zip(completions, answer)]
 
-Importing that module registers it; ``get_task("reverse", length=3)`` then builds it. The built-in
-tokenizer is character-level over printable ASCII (32..126) and ``"\\n"``: a task that writes its own text
-keeps to those; one that reads text from files keeps it as written and maps only what the policy's tokenizer
-cannot encode, saying so (:meth:`Task.fit_text`, :func:`map_characters`).
+then register it in the package's ``TASKS`` (``ais_lightning/tasks/__init__.py``; ``get_task("reverse", length=3)``
+builds it) and give it a YAML option (docs/design.md, "Adding a task"). The built-in tokenizer is
+character-level over printable ASCII (32..126) and ``"\\n"``: a task that writes its own text keeps to those;
+one that reads text from files keeps it as written and maps only what the policy's tokenizer cannot encode,
+saying so (:meth:`Task.fit_text`, :func:`map_characters`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ __all__ = [
     "ANSWER_INSTRUCTION",
     "MAX_ABS_REWARD",
     "FORMATS",
-    "TASKS",
     "Task",
     "TaskSample",
     "batch_rewards",
@@ -64,11 +65,9 @@ __all__ = [
     "evaluate_expression",
     "expression_numbers",
     "first_line",
-    "get_task",
     "map_characters",
     "parse_expression",
     "parse_int",
-    "register_task",
     "safe_rewards",
     "to_ascii",
     "tokenizer_keeps",
@@ -120,8 +119,8 @@ class Task(abc.ABC):
     None: the format's own, ``BARE_READERS`` or ``CHAT_READERS`` of the class).
     """
 
-    name: str = ""
-    """Registry name, set by :func:`register_task`."""
+    name: ClassVar[str] = ""
+    """Its config name: the key of the class in ``ais_lightning.tasks.TASKS`` ("" for a task outside it)."""
     format: str = "bare"
     """Prompt format (a task without the option prompts in its one, bare format)."""
     extract: list[str] | None = None
@@ -182,35 +181,6 @@ class Task(abc.ABC):
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
         return self.reward(prompts, completions, **fields)
-
-
-TASKS: dict[str, type[Task]] = {}
-"""Registered task classes by name."""
-
-
-def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
-    """Class decorator adding a :class:`Task` subclass to :data:`TASKS` under ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_task: name must be a non-empty string, got {name!r}")
-
-    def decorator(cls: type[Task]) -> type[Task]:
-        if not (isinstance(cls, type) and issubclass(cls, Task)):
-            raise ValueError(f"register_task({name!r}) expects a Task subclass, got {cls!r}")
-        previous = TASKS.get(name)
-        if previous is not None and previous.__qualname__ != cls.__qualname__:
-            raise ValueError(f"task name {name!r} is already registered to {previous.__qualname__}")
-        cls.name = name
-        TASKS[name] = cls
-        return cls
-
-    return decorator
-
-
-def get_task(name: str, **kwargs: Any) -> Task:
-    """Build the registered task ``name`` with its options ``kwargs``."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name](**kwargs)
 
 
 MAX_ABS_REWARD = 1e18

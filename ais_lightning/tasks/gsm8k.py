@@ -43,7 +43,6 @@ from ais_lightning.tasks.base import (
     check_aligned,
     check_format,
     map_characters,
-    register_task,
 )
 
 __all__ = ["GSM8K", "check_gradable", "extract_answer", "gold_answer", "load_rows", "normalize_answer"]
@@ -240,9 +239,7 @@ def _check_parquet_rows(path: Path) -> None:
     try:
         rows = pq.ParquetFile(path).metadata.num_rows
     except Exception as err:  # ArrowInvalid and kin: not a parquet file
-        raise ValueError(
-            f"gsm8k file {path} is not a readable parquet file ({type(err).__name__}: {err})"
-        ) from err
+        raise ValueError(f"gsm8k file {path} could not be read: {type(err).__name__}: {err}") from err
     if rows == 0:
         raise ValueError(
             f"gsm8k file {path} is a parquet table with no rows (expected 'question' and 'answer')"
@@ -260,10 +257,12 @@ def _cache_write_error(err: BaseException, path: Path) -> OSError | None:
     return find_cause(err, about_another_file)  # type: ignore[return-value]
 
 
-@register_task("gsm8k")
 @dataclass
 class GSM8K(Task):
     """Word problems from a local GSM8K-format file; reward 1 if the final answer matches the gold number."""
+
+    name: ClassVar[str] = "gsm8k"
+    """Its name in the registry (``TASKS``) and in messages."""
 
     path: str = ""
     """Local ``.jsonl``/``.json``/``.parquet`` file with ``question`` and ``answer`` fields."""

@@ -14,3 +14,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The built-in tiny Qwen3 and its character tokenizer saved as a local Hugging Face model directory (what
+    ``policy=local policy.path=...`` reads), once per session."""
+    from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3, save_tiny_model
+
+    return save_tiny_model(
+        build_tiny_qwen3(seed=0), build_char_tokenizer(), tmp_path_factory.mktemp("tiny_model")
+    )

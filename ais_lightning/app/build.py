@@ -55,6 +55,7 @@ class Components:
 
     def initial_policy(self, seed: int, warm: bool = True, progress_bar: bool = False) -> tuple[Any, Any]:
         """The policy a run starts from, and its warm start (``WarmStartResult``; None when off or ``warm=False``).
+        The task's text is fitted to the policy's tokenizer first (``Task.fit_text``).
 
         With a warm start the initial weights are the warm start's (they are in its cache key): every RL seed
         of a sweep then shares one warm start, built from ``warmstart.seed`` (else ``seed``). Raises
@@ -64,6 +65,10 @@ class Components:
         init_seed = self.warmstart.seed if enabled and self.warmstart.seed is not None else seed
         policy = self.policy.build(init_seed)
         self.check_engines_on(policy.model)
+        if policy.tokenizer is not None:  # text the tokenizer cannot encode: mapped, saying so, or refused
+            from ais_lightning.tasks.base import tokenizer_keeps
+
+            self.task.fit_text(tokenizer_keeps(policy.tokenizer))
         if not (warm and enabled):
             return policy, None
         from ais_lightning.app.warmstart import warm_start
@@ -393,6 +398,7 @@ def validate(cfg: DictConfig) -> Components:
     Nothing heavy is built: no model, no engine.
     """
     check_trusted_targets(cfg)  # before any _target_ is imported or called
+    rules.check_seeds(cfg)
     _check_missing(cfg, ("task",))
     task = build_option(cfg, "task")
     _settle_task(task, cfg)  # before the rest: other groups interpolate algorithm.max_new_tokens

@@ -157,6 +157,9 @@ class TrainConfig:
     """Seed of everything: data, sampling, model init."""
     ckpt_path: Optional[str] = None  # noqa: UP045
     """Resume from this Lightning checkpoint ("last" = the newest in the output directory)."""
+    overwrite: bool = False
+    """A fresh run (no ``ckpt_path``) in an output directory that holds checkpoints deletes them and starts over;
+    without it such a run is refused (``ais_lightning.app.rundir.check_fresh_start``)."""
     output_dir: str = MISSING
     """Where checkpoints, the summary and the default MLflow store go (Hydra's run directory)."""
     trusted_targets: Optional[List[str]] = None  # noqa: UP006, UP045

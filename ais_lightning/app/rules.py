@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ais_lightning.correctors import NoCorrection
 from ais_lightning.policy.builders import check_aligned_schedule_engine
@@ -36,6 +36,24 @@ def align_outlier_channels(cfg: DictConfig, engine_args: dict[str, Any]) -> None
     )
     if aligned and "outlier_fraction" in engine_args and engine_args["outlier_fraction"] is None:
         engine_args["outlier_fraction"] = 0.0
+
+
+SEED_MAX = 2**32 - 1
+"""The largest seed numpy (and so Lightning's ``seed_everything``) accepts; the smallest is 0."""
+
+
+def check_seeds(cfg: DictConfig) -> None:
+    """``seed`` and ``warmstart.seed`` are ints from 0 to :data:`SEED_MAX` (ValueError naming the key; numpy's
+    own error named neither the key nor the run)."""
+    for key in ("seed", "warmstart.seed"):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None and key != "seed":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+            raise ValueError(
+                f"{key} must be an int from 0 to {SEED_MAX} (the seeds numpy, torch and Lightning accept), "
+                f"got {value!r}"
+            )
 
 
 def check_components(components: Any, cfg: DictConfig) -> None:

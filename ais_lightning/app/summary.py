@@ -225,11 +225,15 @@ def report_run(
     status: str,
     recovered: dict[str, float],
     started: float,
+    preemption: Any = None,
 ) -> dict[str, Any]:
     """The end of an ``ais-train`` run: its summary (:func:`summarize`, with the validation before and after,
     the warm start and the wall time since ``started``); on rank 0 also ``summary.json``, ``history.json``,
     ``summary.png`` and ``config.yaml`` in the output directory and in the MLflow run (marked KILLED unless
-    ``status`` is ``finished``), and the printed table. Returns the summary."""
+    ``status`` is ``finished``), and the printed table. ``status``: ``finished``, ``preempted`` (``preemption``,
+    the run's :class:`ais_lightning.app.preemption.Preemption`, then says what was saved and requeued) or a
+    signal that interrupted the run.
+    Returns the summary."""
     import time
 
     from omegaconf import OmegaConf
@@ -242,7 +246,9 @@ def report_run(
         validations=module.validation_history,  # a 0 accuracy at every validation
         task=task.name or type(task).__name__,  # named in the summary's reward warnings
     )
-    summary["status"] = "finished" if status == "finished" else "interrupted"
+    summary["status"] = status if status in ("finished", "preempted") else "interrupted"
+    if status == "preempted":
+        summary["preemption"] = dict(preemption.outcome)  # {"checkpoint", "requeue"}
     val = {**recovered, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     summary["validation_start"] = dict(module.validation_start)
     if warm is not None:
@@ -262,6 +268,7 @@ def report_run(
         "warm-start": warm.describe() if warm else resumed,
         "rollout engine": describe_engine(module.engine),
         "wall time": f"{summary['wall_time_s']:.0f} s",
+        **{f"preemption {k}": v for k, v in summary.get("preemption", {}).items() if v},
     }
     for key, value in val.items():
         before = summary["validation_start"].get(key)

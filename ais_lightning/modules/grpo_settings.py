@@ -150,8 +150,10 @@ class GRPOSettings:
                 raise ValueError(
                     f"{name} must be a finite number >= 1 (exp|log pi - log mu| >= 1) or None, got {value!r}"
                 )
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= 1):  # AdamW moves each weight by ~lr per step
+            raise ValueError(
+                f"lr must be a number in (0, 1] (AdamW moves every weight by about lr per step), got {self.lr}"
+            )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if (

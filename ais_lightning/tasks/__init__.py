@@ -20,8 +20,10 @@ from ais_lightning.tasks.base import (
     accuracy,
     batch_rewards,
     first_line,
+    map_characters,
     safe_rewards,
     to_ascii,
+    tokenizer_keeps,
 )
 from ais_lightning.tasks.countdown import Countdown
 from ais_lightning.tasks.datamodule import PromptDataModule, PromptStream, collate_samples, task_fields
@@ -63,8 +65,10 @@ __all__ = [
     "extract_answer",
     "first_line",
     "get_task",
+    "map_characters",
     "normalize_answer",
     "safe_rewards",
     "task_fields",
     "to_ascii",
+    "tokenizer_keeps",
 ]

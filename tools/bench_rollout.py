@@ -89,7 +89,9 @@ from torch import nn
 
 from ais_lightning.rollout import SamplingConfig, TorchRolloutEngine
 from ais_lightning.rollout.prompts import left_pad
-from ais_lightning.toolkit.measure import PeakRSS
+from ais_lightning.toolkit.measure import PeakRSS, timed
+from ais_lightning.toolkit.profiling import markdown as profile_markdown
+from ais_lightning.toolkit.profiling import profile_engine
 
 SDPA = "+policy.overrides.attn_implementation=sdpa"
 """The built-in Qwen3's attention through ``scaled_dot_product_attention`` (its default is ``eager``), as a
@@ -423,12 +425,6 @@ def engine_generate(engine: Any, prompts: list[list[int]], samples: int, new: in
     """One rollout-engine ``generate`` (T = 1, no stop token) that must run every row to the end."""
     batch = engine.generate(prompts, SamplingConfig(n=samples, max_new_tokens=new, seed=0))
     assert batch.num_tokens == len(prompts) * samples * new, "the benchmark needs every row to run to the end"
-
-
-def timed(run: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
 
 
 class LocalEngine:
@@ -830,17 +826,15 @@ def result_rows(
 def profile_engines(
     run: Run, precisions: list[str], prompts: list[list[int]], samples: int, new: int
 ) -> list[dict]:
-    """``tools/profile_rollout.py`` (per operator and per function) on the run's ``torch-<p>`` engines."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import profile_rollout
-
+    """The profile of ``tools/profile_rollout.py`` (per operator and per function) on the run's ``torch-<p>``
+    engines."""
     out = []
     for p in precisions:
         built = run.engines.get(f"torch-{p}")
         if built is None or built.engine is None:
             print(f"profile {p}: skipped (torch-{p} is not an engine of this run)", flush=True)
             continue
-        result = profile_rollout.profile_engine(built.engine, prompts, samples, new, functions=True)
+        result = profile_engine(built.engine, prompts, samples, new, functions=True)
         out.append({"precision": p, "batch": len(prompts) * samples, **result})
     return out
 
@@ -1065,11 +1059,8 @@ def markdown_table(result: dict) -> str:
     if result.get("sync"):
         lines += ["", sync_table(result["sync"])]
     if result.get("profile"):
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import profile_rollout
-
         for prof in result["profile"]:
-            lines += ["", profile_rollout.markdown(prof, top=12)]
+            lines += ["", profile_markdown(prof, top=12)]
     return "\n".join(lines)
 
 

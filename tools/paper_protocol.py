@@ -38,10 +38,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import ais_lightning
+from ais_lightning.app.config import CONFIG_DIR
 from ais_lightning.toolkit.mlflow_server import STORE, local_mlflow_server, server_command
 
-CONF = Path(ais_lightning.__file__).resolve().parent / "app" / "conf"
 TOOLS = Path(__file__).resolve().parent
 REPORT_ARGS = ["--metric-map", "val_accuracy=val/accuracy_trainer"]
 REPORT_PLOTS = ["ais/lambda", "ais/variance_amplification", "val/accuracy_engine"]
@@ -70,7 +69,7 @@ class Step:
 
 def options(group: str) -> list[str]:
     """The option names of a config group: the stems of ``ais_lightning/app/conf/<group>/*.yaml``."""
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
 def ais_train() -> list[str]:

@@ -49,9 +49,13 @@ class Components:
     warmstart: Any
     trainer: Any
     logger: Any
+    workers: Any = None
+    """Rollout workers (``workers=ray``: ``ais_lightning.rollout.ray_workers.RayWorkers``); None: the in-process
+    engine."""
 
     def initial_policy(self, seed: int, warm: bool = True, progress_bar: bool = False) -> tuple[Any, Any]:
         """The policy a run starts from, and its warm start (``WarmStartResult``; None when off or ``warm=False``).
+        The task's text is fitted to the policy's tokenizer first (``Task.fit_text``).
 
         With a warm start the initial weights are the warm start's (they are in its cache key): every RL seed
         of a sweep then shares one warm start, built from ``warmstart.seed`` (else ``seed``). Raises
@@ -61,6 +65,10 @@ class Components:
         init_seed = self.warmstart.seed if enabled and self.warmstart.seed is not None else seed
         policy = self.policy.build(init_seed)
         self.check_engines_on(policy.model)
+        if policy.tokenizer is not None:  # text the tokenizer cannot encode: mapped, saying so, or refused
+            from ais_lightning.tasks.base import tokenizer_keeps
+
+            self.task.fit_text(tokenizer_keeps(policy.tokenizer))
         if not (warm and enabled):
             return policy, None
         from ais_lightning.app.warmstart import warm_start
@@ -102,6 +110,7 @@ class Components:
             settings=self.algorithm,
             eval_engine_factory=self.eval_engine if validation else None,
             seed=seed,
+            workers=self.workers,
         )
 
     def prompt_data(self, batches: int, seed: int) -> Any:
@@ -150,6 +159,7 @@ def _component_kinds() -> dict[str, tuple[str, Callable[[type], bool]]]:
     from ais_lightning.losses import PolicyLoss
     from ais_lightning.modules.grpo import GRPOSettings
     from ais_lightning.policy import PolicySpec
+    from ais_lightning.rollout.ray_workers import RayWorkers
     from ais_lightning.tasks import Task
 
     def subclass(base: type) -> Callable[[type], bool]:
@@ -173,6 +183,7 @@ def _component_kinds() -> dict[str, tuple[str, Callable[[type], bool]]]:
         ),
         "trainer": ("TrainerSettings (ais_lightning.app.trainer.TrainerSettings)", subclass(TrainerSettings)),
         "logger": ("LoggerSettings (ais_lightning.app.tracking.LoggerSettings)", subclass(LoggerSettings)),
+        "workers": ("RayWorkers (ais_lightning.rollout.ray_workers.RayWorkers)", subclass(RayWorkers)),
     }
 
 
@@ -363,17 +374,17 @@ def _settle_task(task: Any, cfg: DictConfig) -> None:
             cfg.algorithm.max_new_tokens = task.response_budget()
 
 
-def _resolve_warm_start(c: Components, cfg: DictConfig) -> None:
+def _resolve_warm_start(components: Components, cfg: DictConfig) -> None:
     """``warmstart.enabled=auto`` follows the policy: on for one that starts from random weights (the built-in
     models), off for a pretrained checkpoint (a policy spec's ``PRETRAINED_WEIGHTS``; a user's spec without it
     counts as random). The settled value is written back to ``cfg.warmstart.enabled``, so the logged config
     names it."""
     from ais_lightning.app.warmstart import resolve_enabled
 
-    pretrained = bool(c.policy.PRETRAINED_WEIGHTS)
-    c.warmstart.enabled = resolve_enabled(c.warmstart.enabled, starts_pretrained=pretrained)
+    pretrained = bool(components.policy.PRETRAINED_WEIGHTS)
+    components.warmstart.enabled = resolve_enabled(components.warmstart.enabled, starts_pretrained=pretrained)
     if cfg.warmstart.get("enabled") == "auto" and not OmegaConf.is_readonly(cfg):
-        cfg.warmstart.enabled = c.warmstart.enabled
+        cfg.warmstart.enabled = components.warmstart.enabled
 
 
 def validate(cfg: DictConfig) -> Components:
@@ -387,6 +398,7 @@ def validate(cfg: DictConfig) -> Components:
     Nothing heavy is built: no model, no engine.
     """
     check_trusted_targets(cfg)  # before any _target_ is imported or called
+    rules.check_seeds(cfg)
     _check_missing(cfg, ("task",))
     task = build_option(cfg, "task")
     _settle_task(task, cfg)  # before the rest: other groups interpolate algorithm.max_new_tokens
@@ -395,6 +407,8 @@ def validate(cfg: DictConfig) -> Components:
     # the algorithm first: other groups interpolate its values, and a bad one is reported under its own key
     order = ("algorithm", *(g for g in GROUPS if g not in ("algorithm", "rollout", "task")))
     built = {g: build_option(cfg, g) for g in order}
+    if cfg.get("workers") is not None:  # an optional group (null: the in-process engine)
+        built["workers"] = build_option(cfg, "workers")
     eval_engine = trainer_precision_engine(engine, built["policy"])
     components = Components(engine=engine, eval_engine=eval_engine, task=task, **built)
     _resolve_warm_start(components, cfg)

@@ -31,12 +31,17 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional  # noqa: UP035 - OmegaConf reads typing.List and Dict in the schema
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 _SCALARS = (int, float, bool, str)
+CONFIG_DIR = Path(__file__).parent / "conf"
+"""The directory of ``ais-train``'s Hydra configs (``train.yaml`` and one folder per group), shipped in the wheel;
+the repository's top-level ``conf`` links to it."""
+
 MISSING_FIELD = dataclasses.MISSING
 
 RUNTIME_ARGUMENTS: dict[str, tuple[str, ...]] = {"rollout": ("model",)}
@@ -145,10 +150,16 @@ class TrainConfig:
     """The Lightning Trainer (``conf/trainer``, ``ais_lightning.app.trainer.TrainerSettings``)."""
     logger: Any = MISSING
     """Experiment tracking (``conf/logger``, ``ais_lightning.app.tracking.LoggerSettings``)."""
+    workers: Any = None
+    """Rollout workers beside the trainer (``conf/workers``: ``ray``, ``ais_lightning.rollout.ray_workers.RayWorkers``);
+    null: the rollout engine runs in the trainer's process."""
     seed: int = 0
     """Seed of everything: data, sampling, model init."""
     ckpt_path: Optional[str] = None  # noqa: UP045
     """Resume from this Lightning checkpoint ("last" = the newest in the output directory)."""
+    overwrite: bool = False
+    """A fresh run (no ``ckpt_path``) in an output directory that holds checkpoints deletes them and starts over;
+    without it such a run is refused (``ais_lightning.app.rundir.check_fresh_start``)."""
     output_dir: str = MISSING
     """Where checkpoints, the summary and the default MLflow store go (Hydra's run directory)."""
     trusted_targets: Optional[List[str]] = None  # noqa: UP006, UP045
@@ -169,11 +180,13 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
     from ais_lightning.modules.grpo import GRPOSettings
     from ais_lightning.modules.solrl import SolRLSettings
     from ais_lightning.policy import POLICIES
+    from ais_lightning.rollout import ENGINES
+    from ais_lightning.rollout.ray_workers import RayWorkers
     from ais_lightning.tasks import TASKS
 
     return {
         "policy": dict(POLICIES),
-        "rollout": _engine_classes(),
+        "rollout": dict(ENGINES),
         "loss": dict(LOSSES),
         "corrector": dict(CORRECTORS),
         "task": dict(TASKS),
@@ -181,14 +194,8 @@ def builtin_options() -> dict[str, dict[str, Callable[..., Any]]]:
         "warmstart": {"default": WarmStartSettings},
         "trainer": {"default": TrainerSettings},
         "logger": {"default": LoggerSettings},
+        "workers": {"ray": RayWorkers},
     }
-
-
-def _engine_classes() -> dict[str, type]:
-    """The rollout engine classes by name (their modules import vLLM / Transformer Engine lazily)."""
-    from ais_lightning.rollout.factory import ENGINES, engine_class
-
-    return {name: engine_class(name) for name in ENGINES}
 
 
 def register_configs() -> None:
@@ -208,11 +215,8 @@ def compose_train_config(overrides: list[str]) -> Any:
     For scripts and notebooks that build the components ``ais-train`` would
     (``ais_lightning.app.build.validate(cfg)``); Hydra's run-time keys (``hydra.*``) are not available.
     """
-    from pathlib import Path
-
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    conf = Path(__file__).parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides))

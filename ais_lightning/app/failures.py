@@ -22,7 +22,8 @@ log = logging.getLogger("ais_lightning.app.train")
 
 @contextmanager
 def failure_handling(cfg: DictConfig) -> Iterator[dict[str, Any]]:
-    """Run the block; if it raises, mark the MLflow run FAILED and re-raise (a full disk as ``SystemExit``).
+    """Run the block; if it raises, mark the MLflow run FAILED and re-raise (a full disk or a tracking server that
+    stopped answering as ``SystemExit`` with one paragraph saying what to do).
 
     A failed warm start (before any run is opened) ends as ``SystemExit`` with its message. Yields a dict
     where the block puts the ``logger`` once it is opened. Lightning marks the run FAILED itself
@@ -38,12 +39,28 @@ def failure_handling(cfg: DictConfig) -> Iterator[dict[str, Any]]:
         raise SystemExit(f"ais-train: the warm start failed: {err}") from err
     except Exception as err:
         failed = mark_failed(opened.get("logger"))
-        full = disk_full_message(err, cfg, opened.get("logger"), failed)
-        if full is not None:
-            raise SystemExit(full) from err
+        message = disk_full_message(err, cfg, opened.get("logger"), failed) or server_lost_message(err, cfg)
+        if message is not None:
+            raise SystemExit(message) from err
         if failed:
             log.error("%s", failed)
         raise
+
+
+def server_lost_message(err: BaseException, cfg: DictConfig) -> str | None:
+    """The one-paragraph error of a run whose tracking server stopped answering, or None if ``err`` is something
+    else (:class:`ais_lightning.app.store_client.TrackingServerLost`)."""
+    from ais_lightning.app.store_client import TrackingServerLost
+
+    lost = find_cause(err, lambda e: isinstance(e, TrackingServerLost))
+    if lost is None:
+        return None
+    return (
+        f"ais-train: {lost}. The run stopped there. The checkpoints under "
+        f"{Path(str(cfg.output_dir), 'checkpoints')} are only complete, verified ones; its MLflow run could not "
+        "be marked FAILED on the server (it shows RUNNING). Resume with ckpt_path=last once the server answers "
+        "again: the resume continues that run."
+    )
 
 
 def mark_failed(logger: Any) -> str:

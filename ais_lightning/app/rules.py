@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ais_lightning.correctors import NoCorrection
 from ais_lightning.policy.builders import check_aligned_schedule_engine
@@ -38,32 +38,51 @@ def align_outlier_channels(cfg: DictConfig, engine_args: dict[str, Any]) -> None
         engine_args["outlier_fraction"] = 0.0
 
 
-def check_components(c: Any, cfg: DictConfig) -> None:
-    """Every rule between config groups, on the built components ``c`` (``ais_lightning.app.build.Components``: the
+SEED_MAX = 2**32 - 1
+"""The largest seed numpy (and so Lightning's ``seed_everything``) accepts; the smallest is 0."""
+
+
+def check_seeds(cfg: DictConfig) -> None:
+    """``seed`` and ``warmstart.seed`` are ints from 0 to :data:`SEED_MAX` (ValueError naming the key; numpy's
+    own error named neither the key nor the run)."""
+    for key in ("seed", "warmstart.seed"):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None and key != "seed":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+            raise ValueError(
+                f"{key} must be an int from 0 to {SEED_MAX} (the seeds numpy, torch and Lightning accept), "
+                f"got {value!r}"
+            )
+
+
+def check_components(components: Any, cfg: DictConfig) -> None:
+    """Every rule between config groups, on the built components ``components`` (``ais_lightning.app.build.Components``: the
     policy spec, the engine specs, the loss, the corrector, the settings) and the composed ``cfg`` (for naming
     targets); ValueError naming the keys."""
-    _check_outlier_channels(c)
-    _check_family(c, cfg)
-    _check_response_length(c)
-    _check_router_replay(c, cfg)
-    _check_correction(c, cfg)
-    _check_integer_gemm(c)
-    c.algorithm.check_components(c, cfg)  # the algorithm's own rules (Sol-RL's)
-    if c.policy.aligned_quantization is not None and c.trainer.strategy != "auto":
+    _check_outlier_channels(components)
+    _check_family(components, cfg)
+    _check_response_length(components)
+    _check_router_replay(components, cfg)
+    _check_correction(components, cfg)
+    _check_integer_gemm(components)
+    _check_staleness(components)
+    components.algorithm.check_components(components, cfg)  # the algorithm's own rules (Sol-RL's)
+    if components.policy.aligned_quantization is not None and components.trainer.strategy != "auto":
         raise ValueError(
             "policy.aligned_quantization is not supported with sharded strategies yet (trainer.strategy)"
         )
-    _check_float16(c)
-    _check_head_precision(c, cfg)
+    _check_float16(components)
+    _check_head_precision(components, cfg)
     check_aligned_schedule_engine(
-        c.policy.aligned_schedule, c.engine
+        components.policy.aligned_schedule, components.engine
     )  # the engine follows a progressive schedule
 
 
-def _check_outlier_channels(c: Any) -> None:
+def _check_outlier_channels(components: Any) -> None:
     """An aligned trainer forward runs the recipe on every channel: the engine keeps none in high precision."""
-    fraction = c.engine.keywords.get("outlier_fraction")
-    if c.policy.aligned_quantization is not None and fraction is not None and fraction > 0:
+    fraction = components.engine.keywords.get("outlier_fraction")
+    if components.policy.aligned_quantization is not None and fraction is not None and fraction > 0:
         raise ValueError(
             f"rollout.outlier_fraction={fraction} keeps outlier channels in high precision in the engine, but "
             "policy.aligned_quantization runs the trainer's forward through the recipe on every channel: set "
@@ -71,8 +90,8 @@ def _check_outlier_channels(c: Any) -> None:
         )
 
 
-def _check_family(c: Any, cfg: DictConfig) -> None:
-    policy_family, engine_family = c.policy.MODEL_FAMILY, c.engine.engine_class.MODEL_FAMILY
+def _check_family(components: Any, cfg: DictConfig) -> None:
+    policy_family, engine_family = components.policy.MODEL_FAMILY, components.engine.engine_class.MODEL_FAMILY
     if policy_family != engine_family:
         raise ValueError(
             f"rollout._target_={cfg.rollout._target_} samples {engine_family} models but the policy "
@@ -80,22 +99,22 @@ def _check_family(c: Any, cfg: DictConfig) -> None:
         )
 
 
-def _check_response_length(c: Any) -> None:
-    length = c.policy.response_length
-    if length is not None and length != c.algorithm.max_new_tokens:
+def _check_response_length(components: Any) -> None:
+    length = components.policy.response_length
+    if length is not None and length != components.algorithm.max_new_tokens:
         raise ValueError(
-            f"policy.response_length={length} must equal algorithm.max_new_tokens={c.algorithm.max_new_tokens} "
+            f"policy.response_length={length} must equal algorithm.max_new_tokens={components.algorithm.max_new_tokens} "
             "(a masked-diffusion policy is warm-started on the canvas length its engine samples)"
         )
-    if length is not None and c.warmstart.enabled and c.warmstart.max_new_tokens != length:
+    if length is not None and components.warmstart.enabled and components.warmstart.max_new_tokens != length:
         raise ValueError(
-            f"warmstart.max_new_tokens={c.warmstart.max_new_tokens} must equal policy.response_length={length} "
+            f"warmstart.max_new_tokens={components.warmstart.max_new_tokens} must equal policy.response_length={length} "
             "(the warm start's greedy evaluation samples a canvas of that length)"
         )
 
 
-def _check_router_replay(c: Any, cfg: DictConfig) -> None:
-    if c.policy.router_replay and not c.engine.engine_class.RECORDS_ROUTING:
+def _check_router_replay(components: Any, cfg: DictConfig) -> None:
+    if components.policy.router_replay and not components.engine.engine_class.RECORDS_ROUTING:
         raise ValueError(
             f"policy.router_replay=true replays the routing the rollout engine records, but rollout._target_="
             f"{cfg.rollout._target_} records none: use the torch engine (rollout=fp32/bf16/int8/fp8/fp4, ...) or "
@@ -103,37 +122,38 @@ def _check_router_replay(c: Any, cfg: DictConfig) -> None:
         )
 
 
-def _check_correction(c: Any, cfg: DictConfig) -> None:
+def _check_correction(components: Any, cfg: DictConfig) -> None:
     """One correction of the rollout mismatch, and a mu that a corrector can correct."""
-    own = c.loss.own_correction
-    if own and not isinstance(c.corrector, NoCorrection):
+    own = components.loss.own_correction
+    if own and not isinstance(components.corrector, NoCorrection):
         raise ValueError(
             f"{own}; it takes no separate importance weights: set corrector=none "
             f"(got corrector._target_={cfg.corrector._target_})"
         )
-    corrected = own or not isinstance(c.corrector, NoCorrection)
-    if corrected and (c.algorithm.top_p < 1.0 or c.algorithm.top_k > 0):
+    corrected = own or not isinstance(components.corrector, NoCorrection)
+    if corrected and (components.algorithm.top_p < 1.0 or components.algorithm.top_k > 0):
         raise ValueError(
             "algorithm.top_p/top_k renormalize mu over the kept tokens; with a corrector on keep top_p=1.0 "
             "and top_k=0"
         )
 
 
-def _check_integer_gemm(c: Any) -> None:
+def _check_integer_gemm(components: Any) -> None:
     """A CPU-only integer GEMM beside a GPU trainer is refused; int8 rollouts left to run emulated on a CPU with no
     integer GEMM are warned about (slower than fp32 rollouts there)."""
     from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS, cpu_int8_isa
 
-    checked = c.engine.checked_arguments
+    checked = components.engine.checked_arguments
     backend = checked.get("backend")
-    chosen = c.engine.keywords.get("backend") is not None
-    if checked.get("precision") == "int8" and backend == "emulate" and not chosen and not c.trainer.on_gpu():
+    chosen = components.engine.keywords.get("backend") is not None
+    on_gpu = components.trainer.on_gpu()
+    if checked.get("precision") == "int8" and backend == "emulate" and not chosen and not on_gpu:
         log.warning(
             "rollout.precision=int8 runs emulated (exact numerics, slower than fp32 rollouts): this CPU has no "
             "integer GEMM torch runs fast (int8 kernels: %s; docs/engines.md)",
             cpu_int8_isa(),
         )
-    if c.trainer.on_gpu() and backend in INTEGER_BACKENDS and checked.get("device") != "cpu":
+    if on_gpu and backend in INTEGER_BACKENDS and checked.get("device") != "cpu":
         raise ValueError(
             f"rollout.backend={backend} (the integer W8A8 GEMM, the CPU's default for rollout.precision=int8) runs on "
             "CPU; with a GPU trainer pick rollout.backend=emulate, rollout=bf16/fp8_gemm/te_fp8/vllm_fp8, or keep "
@@ -141,24 +161,24 @@ def _check_integer_gemm(c: Any) -> None:
         )
 
 
-def _check_float16(c: Any) -> None:
+def _check_float16(components: Any) -> None:
     """``policy.dtype=float16`` trains on fp32 master weights with a loss scale of its own: on one process or DDP
     (``trainer.strategy=auto``) under Lightning's plain fp32 plugin."""
-    if c.policy.dtype != "float16":
+    if components.policy.dtype != "float16":
         return
-    if c.trainer.strategy != "auto":
+    if components.trainer.strategy != "auto":
         raise ValueError(
             f"policy.dtype=float16 (fp32 master weights and a dynamic loss scale) is not supported with "
-            f"trainer.strategy={c.trainer.strategy} yet: use trainer.strategy=auto, or policy.dtype=bfloat16"
+            f"trainer.strategy={components.trainer.strategy} yet: use trainer.strategy=auto, or policy.dtype=bfloat16"
         )
-    if c.trainer.precision not in FP16_TRAINER_PRECISIONS:
+    if components.trainer.precision not in FP16_TRAINER_PRECISIONS:
         raise ValueError(
             f"policy.dtype=float16 keeps its own fp32 master weights and loss scale; trainer.precision="
-            f"{c.trainer.precision} would cast or scale again: leave trainer.precision=32-true"
+            f"{components.trainer.precision} would cast or scale again: leave trainer.precision=32-true"
         )
 
 
-def _check_head_precision(c: Any, cfg: DictConfig) -> None:
+def _check_head_precision(components: Any, cfg: DictConfig) -> None:
     """With a bfloat16/float16 policy, warn (naming both keys) when the LM head computes in fp32 on one side only.
 
     Both sides compute the head from the same low-precision weights; in the model dtype both round the logits to
@@ -172,11 +192,11 @@ def _check_head_precision(c: Any, cfg: DictConfig) -> None:
     is not always worse than neither, so this warns rather than refuses. With a float32 policy the trainer's head is
     fp32 anyway and ``rollout.head_dtype=float32`` only brings a bf16/fp16 or quantized engine closer to it.
     """
-    dtype = c.policy.dtype
+    dtype = components.policy.dtype
     if dtype == "float32":
         return
-    engine_args = c.engine.checked_arguments
-    policy_head = c.policy.head_dtype
+    engine_args = components.engine.checked_arguments
+    policy_head = components.policy.head_dtype
     engine_head = engine_args.get("head_dtype")
     policy_fp32, engine_fp32 = policy_head == "float32", engine_head == "float32"
     if policy_fp32 == engine_fp32:
@@ -196,3 +216,27 @@ def _check_head_precision(c: Any, cfg: DictConfig) -> None:
         "%s.head_dtype",
         policy_head, engine_head, dtype, on, fix, on,
     )  # fmt: skip
+
+
+def _check_staleness(components: Any) -> None:
+    """Asynchronous GRPO's rules between groups: an adaptive bound needs a target or a loss that declares its trust
+    region; rollout workers generate autoregressive, dense rollouts (their chunks carry no routing or extras)."""
+    algorithm, loss = components.algorithm, components.loss
+    if algorithm.adaptive_staleness and algorithm.staleness_chi2_target is None and not loss.trust_region:
+        raise ValueError(
+            "algorithm.adaptive_staleness=true with algorithm.staleness_chi2_target=null takes the loss's trust region "
+            f"squared, and loss ({type(loss).__name__}) declares none: set algorithm.staleness_chi2_target"
+        )
+    if components.workers is None:
+        return
+    trainer = components.trainer
+    if trainer.strategy != "auto" or trainer.world_size > 1:
+        raise ValueError(
+            "workers=ray with several trainer processes (trainer.strategy / devices / num_nodes) is not supported yet: "
+            "each rank would start its own workers; train in one process (trainer=cpu) or use the in-process engine"
+        )
+    if components.policy.MODEL_FAMILY != "autoregressive" or components.policy.router_replay:
+        raise ValueError(
+            "workers=ray runs autoregressive, dense rollouts: a masked-diffusion policy (policy.MODEL_FAMILY) or "
+            "policy.router_replay=true needs the in-process engine (workers=null)"
+        )

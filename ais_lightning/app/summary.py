@@ -76,7 +76,21 @@ def summarize(
             int(history[i]["step"]): lambdas[i] for i in picks if math.isfinite(lambdas[i])
         },
         "reward_failures": int(sum(h.get("reward_failed", 0.0) for h in history)),
+        **_staleness(history),
         **alarms,
+    }
+
+
+def _staleness(history: list[dict[str, float]]) -> dict[str, float]:
+    """An asynchronous run's staleness (versions) and its two KLs, means over the steps; empty for a synchronous
+    run."""
+    if not any("staleness" in h for h in history):
+        return {}
+    return {
+        "staleness_mean": _mean([h.get("staleness", float("nan")) for h in history]),
+        "staleness_max": max(h.get("staleness", 0.0) for h in history),
+        "kl_k3_precision_mean": _mean([h.get("kl_k3_precision", float("nan")) for h in history]),
+        "kl_k3_staleness_mean": _mean([h.get("kl_k3_staleness", float("nan")) for h in history]),
     }
 
 
@@ -136,6 +150,11 @@ def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None)
             f"mismatch KL k3        mean {summary['kl_k3_mean']:.2e}, last {summary['kl_k3_last']:.2e}",
             f"entropy               {summary['entropy_first']:.3f} -> {summary['entropy_last']:.3f}",
         ]
+        if "staleness_mean" in summary:
+            lines.append(
+                f"staleness (versions)  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']:.0f}; "
+                f"KL k3 precision {summary['kl_k3_precision_mean']:.2e}, staleness {summary['kl_k3_staleness_mean']:.2e}"
+            )
         if summary["lambda_trajectory"]:
             traj = "  ".join(f"{s}:{v:.3f}" for s, v in summary["lambda_trajectory"].items())
             lines.append(f"AIS lambda (step:val)  {traj}")
@@ -206,11 +225,15 @@ def report_run(
     status: str,
     recovered: dict[str, float],
     started: float,
+    preemption: Any = None,
 ) -> dict[str, Any]:
     """The end of an ``ais-train`` run: its summary (:func:`summarize`, with the validation before and after,
     the warm start and the wall time since ``started``); on rank 0 also ``summary.json``, ``history.json``,
     ``summary.png`` and ``config.yaml`` in the output directory and in the MLflow run (marked KILLED unless
-    ``status`` is ``finished``), and the printed table. Returns the summary."""
+    ``status`` is ``finished``), and the printed table. ``status``: ``finished``, ``preempted`` (``preemption``,
+    the run's :class:`ais_lightning.app.preemption.Preemption`, then says what was saved and requeued) or a
+    signal that interrupted the run.
+    Returns the summary."""
     import time
 
     from omegaconf import OmegaConf
@@ -223,7 +246,9 @@ def report_run(
         validations=module.validation_history,  # a 0 accuracy at every validation
         task=task.name or type(task).__name__,  # named in the summary's reward warnings
     )
-    summary["status"] = "finished" if status == "finished" else "interrupted"
+    summary["status"] = status if status in ("finished", "preempted") else "interrupted"
+    if status == "preempted":
+        summary["preemption"] = dict(preemption.outcome)  # {"checkpoint", "requeue"}
     val = {**recovered, **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     summary["validation_start"] = dict(module.validation_start)
     if warm is not None:
@@ -243,6 +268,7 @@ def report_run(
         "warm-start": warm.describe() if warm else resumed,
         "rollout engine": describe_engine(module.engine),
         "wall time": f"{summary['wall_time_s']:.0f} s",
+        **{f"preemption {k}": v for k, v in summary.get("preemption", {}).items() if v},
     }
     for key, value in val.items():
         before = summary["validation_start"].get(key)

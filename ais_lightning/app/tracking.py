@@ -18,6 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ais_lightning.app.store_client import StoreClient, store_lock
+from ais_lightning.checks import check_int
+
 LOGGERS = ("mlflow", "csv", "none")
 
 
@@ -33,12 +36,23 @@ class LoggerSettings:
     """MLflow run name (default: the run's command-line overrides)."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else a SQLite store under the output directory."""
+    request_retries: int | None = None
+    """Retries of a request to a tracking server before the run gives up on it (None:
+    ``$MLFLOW_HTTP_REQUEST_MAX_RETRIES`` if set, else 3; MLflow's own default of 7 with its backoff retried for
+    minutes). :mod:`ais_lightning.app.store_client`."""
+    request_timeout_s: int | None = None
+    """Seconds a tracking server has to answer one request (None: ``$MLFLOW_HTTP_REQUEST_TIMEOUT`` if set, else
+    20; MLflow's own default is 120)."""
 
     def __post_init__(self) -> None:
         if self.name not in LOGGERS:
             raise ValueError(f"name must be one of {list(LOGGERS)}, got {self.name!r}")
         if not self.experiment_name:
             raise ValueError("experiment_name must be a non-empty string")
+        if self.request_retries is not None:
+            check_int(self.request_retries, "request_retries", 0)
+        if self.request_timeout_s is not None:
+            check_int(self.request_timeout_s, "request_timeout_s", 1)
 
 
 def default_store_root(output_dir: str) -> Path:
@@ -64,7 +78,29 @@ def resolve_tracking_uri(configured: str | None, output_dir: str) -> str:
         return os.environ["MLFLOW_TRACKING_URI"]
     root = default_store_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
+    return sqlite_uri(root / "mlflow.db")
+
+
+def sqlite_uri(db: str | os.PathLike) -> str:
+    """The ``sqlite:///`` URI of the SQLite file ``db`` (made absolute), its path percent-quoted.
+
+    SQLAlchemy, which opens MLflow's SQLite stores, reads a URI as a URL: an unquoted ``?`` starts a query
+    (the path is cut there), ``#`` a fragment and ``%41`` is decoded to ``A``. Quoting keeps every path as
+    it is, spaces and non-ASCII included; :func:`sqlite_path` reads it back.
+    """
+    from urllib.parse import quote
+
+    return "sqlite:///" + quote(str(Path(db).absolute()))
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file a ``sqlite:///`` URI names, read as SQLAlchemy reads it (percent-decoded, a query
+    dropped); None for servers and other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    return Path(make_url(uri).database or "")
 
 
 def flatten_config(cfg: DictConfig | dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -80,7 +116,7 @@ def flatten_config(cfg: DictConfig | dict[str, Any], prefix: str = "") -> dict[s
     return flat
 
 
-RUN_NAME_EXCLUDED = ("logger.tracking_uri", "ckpt_path")
+RUN_NAME_EXCLUDED = ("logger.tracking_uri", "ckpt_path", "overwrite")
 """Overrides left out of the default run name: where the run is logged or resumed from, not what it is."""
 
 
@@ -101,53 +137,10 @@ def run_name_from_overrides() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def store_lock(lock_path: Path | None) -> Iterator[None]:
-    """An exclusive lock on ``lock_path`` held across processes (``fcntl.flock``); no-op for None.
-
-    Several processes writing one SQLite MLflow store (a parallel sweep on the default store) fail when
-    two of them create the schema at once (``duplicate column name``, alembic "Online migration
-    expected to match one row") or write at once ("database is locked"); holding this lock around every
-    store call serializes them.
-    """
-    if lock_path is None:
-        yield
-        return
-    import fcntl
-
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-class _LockedClient:
-    """An ``MlflowClient`` whose every method call holds the store lock (see :func:`store_lock`)."""
-
-    def __init__(self, client: Any, lock_path: Path) -> None:
-        self._client, self._lock_path = client, lock_path
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._client, name)
-        if not callable(attr):
-            return attr
-
-        def locked(*args: Any, **kwargs: Any) -> Any:
-            with store_lock(self._lock_path):
-                return attr(*args, **kwargs)
-
-        return locked
-
-
 def sqlite_lock_path(uri: str) -> Path | None:
     """``<db>.lock`` beside a ``sqlite:///`` store; None for servers and other stores."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = Path(uri.removeprefix("sqlite:///"))
-    return db.with_name(db.name + ".lock")
+    db = sqlite_path(uri)
+    return None if db is None else db.with_name(db.name + ".lock")
 
 
 def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, str] | None = None) -> Any:
@@ -165,11 +158,10 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
     from lightning.pytorch.loggers import MLFlowLogger
 
     uri, run_id = logger_target(settings, output_dir, resume)
-    artifact_location = None
-    if uri.startswith("sqlite:///"):
-        artifact_location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts")
+    db = sqlite_path(uri)
+    artifact_location = None if db is None else (db.parent / "mlartifacts").absolute().as_uri()
     lock = sqlite_lock_path(uri)
-    with store_lock(lock), _environment_kept("MLFLOW_TRACKING_URI"):
+    with store_lock(lock), _environment_kept("MLFLOW_TRACKING_URI"), _no_quoted_twin(uri):
         logger = MLFlowLogger(
             experiment_name=settings.experiment_name,
             run_name=settings.run_name or run_name_from_overrides(),
@@ -179,9 +171,27 @@ def build_logger(settings: LoggerSettings, output_dir: str, resume: dict[str, st
             synchronous=True,
         )
         _start_run(logger)
-    if lock is not None:
-        logger._mlflow_client = _LockedClient(logger._mlflow_client, lock)
+    logger._mlflow_client = StoreClient(logger._mlflow_client, lock, server=None if db else uri)
     return logger
+
+
+@contextlib.contextmanager
+def _no_quoted_twin(uri: str) -> Iterator[None]:
+    """Remove the empty directory MLflow creates under the still-quoted path of a ``sqlite:///`` URI.
+
+    MLflow makes the store's parent directory from the URI's text without decoding it
+    (``mlflow.store.db.utils._make_parent_dirs_if_sqlite``): a store under ``run ?1`` gets an empty twin
+    ``run%20%3F1`` beside it. Removed after the block if the block created it (and it is still empty).
+    """
+    db = sqlite_path(uri)
+    twin = Path(uri.removeprefix("sqlite:///")).parent
+    created = db is not None and twin != db.parent and not twin.exists()
+    try:
+        yield
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                os.removedirs(twin)  # the twin and its new parents, up to the first directory not empty
 
 
 @contextlib.contextmanager
@@ -230,12 +240,13 @@ def logger_target(
 ) -> tuple[str, str | None]:
     """``(tracking URI, run id to continue or None)`` of the MLflow logger :func:`build_logger` builds.
 
-    A resumed run continues the checkpoint's run in the store it was logged to, unless
-    ``logger.tracking_uri`` or ``$MLFLOW_TRACKING_URI`` name another store (then a new run starts there).
+    A resumed run continues the checkpoint's run in the store it was logged to (or starts a new one there
+    when ``resume["run_id"]`` is None: a resume that changed the recipe), unless ``logger.tracking_uri`` or
+    ``$MLFLOW_TRACKING_URI`` name another store (then a new run starts there).
     """
     explicit = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if resume and (not explicit or explicit == resume.get("tracking_uri")):
-        return resume["tracking_uri"], resume["run_id"]
+        return resume["tracking_uri"], resume.get("run_id")
     return resolve_tracking_uri(settings.tracking_uri, output_dir), None
 
 
@@ -250,16 +261,17 @@ def check_tracking_uri(
     The store checked is the one the run will log to (:func:`logger_target`; for a resume, the store of
     the checkpoint's run). An HTTP(S) server must answer its ``/health`` endpoint within ``timeout_s``
     (MLflow's own client would retry for minutes, after the warm start); a SQLite store's directory must
-    be writable, and a resumed run's SQLite store must exist; a file store must be one this MLflow opens.
+    be writable, an existing store must read and take a write lock (:func:`check_sqlite_store`), and a
+    resumed run's SQLite store must exist; a file store must be one this MLflow opens.
     """
     if settings.name != "mlflow":
         return
-    uri, run_id = logger_target(settings, output_dir, resume)
+    uri, _ = logger_target(settings, output_dir, resume)
     hint = ""
-    if run_id is not None:
+    if resume is not None and uri == resume.get("tracking_uri"):  # the checkpoint's store
         key, where = "ckpt_path's MLflow store", f"ckpt_path's MLflow run is logged at {uri}, which"
         hint = "; set logger.tracking_uri to log the resumed run to another store"
-        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        if sqlite_path(uri) is not None and not sqlite_path(uri).is_file():
             raise ValueError(f"{where} does not exist{hint}")
     else:
         if settings.tracking_uri:
@@ -282,10 +294,39 @@ def check_tracking_uri(
             ) from err
         if not ok:
             raise ValueError(f"{where} answered /health with HTTP {response.status}{hint}")
-    elif uri.startswith("sqlite:///"):
-        check_writable(Path(uri.removeprefix("sqlite:///")).parent, key)
+    elif (db := sqlite_path(uri)) is not None:
+        check_writable(db.parent, key)
+        if db.is_file():
+            check_sqlite_store(db, where)
     elif _is_file_store(uri):
         _check_file_store(uri, where)
+
+
+def check_sqlite_store(db: Path, where: str, timeout_s: float = 5.0) -> None:
+    """ValueError naming ``where`` unless the existing SQLite store ``db`` reads as a database and can be
+    written: its header read, a write lock taken and given back (holding the store lock, so only another
+    program can hold it for ``timeout_s``). A corrupt or locked store used to be found after the model was built."""
+    import sqlite3
+
+    with store_lock(sqlite_lock_path(sqlite_uri(db))):
+        try:
+            connection = sqlite3.connect(db, timeout=timeout_s)
+            try:
+                connection.execute("PRAGMA schema_version").fetchone()
+                connection.execute("BEGIN IMMEDIATE")
+                connection.rollback()
+            finally:
+                connection.close()
+        except sqlite3.Error as err:
+            if "locked" in str(err):
+                raise ValueError(
+                    f"{where}: {db} is locked by another program for over {timeout_s:g} s ({err}): close it (an "
+                    "sqlite3 shell, a database browser) or set logger.tracking_uri to another store"
+                ) from err
+            raise ValueError(
+                f"{where}: {db} is not a readable SQLite database ({err}): move it away, or set "
+                "logger.tracking_uri to another store"
+            ) from err
 
 
 def _is_file_store(uri: str) -> bool:

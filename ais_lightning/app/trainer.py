@@ -162,9 +162,11 @@ def build_trainer(
     steps (none before training: the run validates first itself), verified checkpoints under
     ``<output_dir>/checkpoints`` (every ``checkpoint_every_n_steps`` rollout steps, and ``last.ckpt``),
     ``callbacks`` first, then the checkpoint callback and a step-counting progress bar. FSDP shards the
-    ``policy`` by its decoder layers."""
+    ``policy`` by its decoder layers. Under SLURM, Lightning's own requeue handler is off: the run's
+    :class:`ais_lightning.app.preemption.Preemption` callback handles SIGUSR1."""
     import lightning as L
 
+    from ais_lightning.app.preemption import slurm_plugins
     from ais_lightning.app.resume import MLflowRunInCheckpoint
     from ais_lightning.files import VerifiedCheckpointIO
 
@@ -184,8 +186,14 @@ def build_trainer(
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=logger,
-        plugins=[VerifiedCheckpointIO()],  # every checkpoint gets a SHA-256 sidecar, checked on resume
-        callbacks=[*callbacks, checkpoint_callback(output_dir, every), MLflowRunInCheckpoint(logger), *bar],
+        # every checkpoint gets a SHA-256 sidecar, checked on resume; under SLURM, Lightning's requeue handler off
+        plugins=[VerifiedCheckpointIO(), *slurm_plugins()],
+        callbacks=[
+            *callbacks,
+            checkpoint_callback(output_dir, every),
+            MLflowRunInCheckpoint(logger, output_dir),
+            *bar,
+        ],
         enable_progress_bar=settings.enable_progress_bar,
         enable_model_summary=False,
         log_every_n_steps=1,
@@ -194,37 +202,48 @@ def build_trainer(
 
 
 def validate_and_fit(
-    trainer: Any, module: Any, data: Any, resume: Any, guard: Any, logger: Any
+    trainer: Any, module: Any, data: Any, resume: Any, stops: list[Any], logger: Any
 ) -> tuple[str, dict[str, float]]:
     """Validate the starting weights, then ``fit``; returns ``(status, recovered validation)``.
 
-    ``status``: ``finished``, or ``sigterm`` / ``sigint`` when a signal ended the run (the summary and the
-    exit code report it). A fresh run validates before RL (the reference for the end of the run); a resume
-    (``resume``: :class:`ais_lightning.app.resume.Resume`) instead runs the validation due right after its
-    checkpoint that ``fit`` would skip, and returns its values.
+    ``status``: ``finished``, or ``sigterm`` / ``sigint`` / ``preempted`` when a signal ended the run (the
+    summary and the exit code report it). ``stops``: the run's signal guards
+    (:class:`ais_lightning.app.signals.SigtermGuard`, :class:`ais_lightning.app.preemption.Preemption`), checked
+    between Lightning's entry points. A fresh run validates before RL (the reference for the end of the run); a
+    resume (``resume``: :class:`ais_lightning.app.resume.Resume`) instead runs the validation due right after
+    its checkpoint that ``fit`` would skip, and returns its values.
     """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from ais_lightning.app.preemption import Preempted
     from ais_lightning.app.resume import recover_validation
     from ais_lightning.app.tracking import reopen_run
 
+    def check_stops() -> None:
+        for stop in stops:
+            stop.raise_if_received()
+
     recovered: dict[str, float] = {}
     try:
-        guard.raise_if_received()
+        check_stops()
         if resume.ckpt_path is None:
             (start,) = trainer.validate(module, datamodule=data, verbose=False)
             module.validation_start = {k: float(v) for k, v in start.items()}
             reopen_run(logger)  # validate() finalized the MLflow run; fit() is still to come
         elif (skipped := resume.skipped_validation(int(trainer.val_check_interval))) is not None:
             recovered = recover_validation(trainer, module, data, resume.ckpt_path, logger, *skipped)
-        guard.raise_if_received()  # e.g. during validate()'s last batch, which Lightning does not check
+        check_stops()  # e.g. during validate()'s last batch, which Lightning does not check
         trainer.fit(module, datamodule=data, ckpt_path=resume.ckpt_path)
+    except Preempted:
+        return "preempted", recovered
     except SIGTERMException:
         return "sigterm", recovered
     except SystemExit as exc:  # Lightning turns Ctrl+C into sys.exit(1) after finalizing the loggers
-        if trainer.state.status.value != "interrupted":
-            raise
-        return ("sigint" if exc.code == 1 else "sigterm"), recovered
+        if isinstance(exc.__context__, KeyboardInterrupt) and trainer.state.status.value == "interrupted":
+            return "sigint", recovered
+        raise RuntimeError(  # not a signal: code of the run's own (a component, a callback) called sys.exit
+            f"SystemExit({exc.code!r}) raised during training: a component or callback called sys.exit"
+        ) from exc
     except KeyboardInterrupt:
         return "sigint", recovered
     return "finished", recovered

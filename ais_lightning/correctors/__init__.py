@@ -10,6 +10,7 @@ Pure torch: every corrector is an ``nn.Module`` with no Lightning import.
 
 from __future__ import annotations
 
+from ais_lightning.checks import registered
 from ais_lightning.correctors.ais import (
     AIS,
     AIS_STATISTICS,
@@ -39,26 +40,24 @@ CORRECTORS: dict[str, type[Corrector]] = {
     "mis": MIS,
     "ais": AIS,
     "ais_v1": AISv1,
+    # the peers' correctors; docs/correctors.md maps each to its peer
+    "rs": DivergenceRejection,
+    "tis_bn": BatchNormalizedTIS,
+    "icepop": IcePop,
+    "opsm": OffPolicySequenceMask,
+    "dppo": DPPOMask,
+    "vespo": VESPO,
+    "m2po": M2PO,
+    "psis": PSIS,
 }
-"""Config names of the correctors (``build_corrector``)."""
-CORRECTORS.update(  # the peers' correctors; docs/correctors.md maps each to its peer
-    rs=DivergenceRejection,
-    tis_bn=BatchNormalizedTIS,
-    icepop=IcePop,
-    opsm=OffPolicySequenceMask,
-    dppo=DPPOMask,
-    vespo=VESPO,
-    m2po=M2PO,
-    psis=PSIS,
-)
+"""The registry of correctors: config name -> class (``build_corrector``; ``ais-train`` generates the schema
+``schema/corrector/<name>`` of each; docs/design.md, "Adding a corrector")."""
 
 
 def build_corrector(name: str, **kwargs) -> Corrector:
     """Instantiate a corrector by config name (``"none"``, ``"tis"``, ``"mis"``, ``"ais"``, any case)."""
     key = name.lower() if isinstance(name, str) else name
-    if key not in CORRECTORS:
-        raise ValueError(f"unknown corrector name {name!r}; valid names: {sorted(CORRECTORS)}")
-    return CORRECTORS[key](**kwargs)
+    return registered(CORRECTORS, key, "corrector")(**kwargs)
 
 
 __all__ = [

@@ -76,6 +76,9 @@ AIS_STATISTICS = (
     "sum_dev_sq_adv_sq",  # sum_t (b_t - 1)^2 A_t^2
     "num_adv",  # N with advantages, else 0
     "sum_dev_sq",  # sum_t (b_t - 1)^2
+    "sum_k3_stale",  # sum_t k3(s_t), s_t = log pi_prox - log pi_v (0 without staleness)
+    "sum_response_k3_stale_sq",  # sum_s (sum_{t in s} k3(s_t))^2
+    "sum_response_k3_stale_len",  # sum_s (sum_{t in s} k3(s_t)) n_s
 )
 """Names of the entries of the vector returned by ``ais_sufficient_statistics``, in order."""
 
@@ -92,6 +95,8 @@ AIS_COMPONENTS = (
     "kl_k3",
     "kl_k3_se",
     "spread",
+    "kl_k3_staleness",
+    "severity_staleness",
 )
 """Keys of ``ais_coefficient``'s result (each logged by ``AIS`` as ``ais/<key>``)."""
 
@@ -280,9 +285,13 @@ class MixingCorrector(Corrector):
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
         impurity: torch.Tensor | None = None,
+        stale_log_ratio: torch.Tensor | None = None,
     ) -> RawCorrection:
         base, clipped = self.base_weights(delta, mask)  # [B, T] float32, [B, T] bool
-        stats = all_reduce_sum(self.statistics(delta, mask, base, advantages, entropy, impurity))  # [K]
+        stale = {} if stale_log_ratio is None else {"stale_log_ratio": stale_log_ratio}  # AIS v2's only
+        stats = all_reduce_sum(
+            self.statistics(delta, mask, base, advantages, entropy, impurity, **stale)
+        )  # [K]
         coef = self.coefficient(stats)
         lam = self.applied_lambda(coef)
         lam32 = lam.float()
@@ -412,6 +421,7 @@ def ais_sufficient_statistics(
     advantages: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     impurity: torch.Tensor | None = None,
+    stale_log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sums over valid tokens and responses from which ``ais_coefficient`` computes lambda.  # [K] float64
 
@@ -423,6 +433,9 @@ def ais_sufficient_statistics(
         entropy: optional ``[B, T]`` trainer token entropy in nats.
         impurity: optional ``[B, T]`` trainer collision impurity 1 - sum_a pi(a)^2: the spread G
             when given; else the bound 1 - exp(-H) from ``entropy``; else no spread (G = 1).
+        stale_log_ratio: optional ``[B, T]`` part of ``delta`` that staleness made (log pi_prox - log pi_v of an
+            asynchronous run, ``ais_lightning.staleness.split_log_ratio``): the precision statistics are then those
+            of ``delta - stale_log_ratio`` and the staleness ones of ``stale_log_ratio``; None: all precision.
 
     Returns the float64 vector named by ``AIS_STATISTICS``. The sum of the vectors of disjoint
     batches (or ranks) is the vector of their union (responses are never split across ranks).
@@ -431,7 +444,8 @@ def ais_sufficient_statistics(
     for name, x in (("delta", delta), ("base", base)):
         if x.shape != mask.shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}")
-    k3 = k3_per_token(delta)  # [B, T]
+    precision = delta if stale_log_ratio is None else delta - stale_log_ratio  # [B, T]
+    k3 = k3_per_token(precision)  # [B, T]
     n_tok = mask.sum().double()
     resp_k3 = ops.masked_sum(k3, mask, dim=-1)  # [B]
     resp_len = mask.sum(dim=-1).double()  # [B]
@@ -457,6 +471,11 @@ def ais_sufficient_statistics(
     else:
         parts += [zero, zero, zero]
     parts.append(ops.masked_sum(dev_sq, mask))
+    if stale_log_ratio is None:
+        parts += [zero, zero, zero]
+    else:
+        resp_stale = ops.masked_sum(k3_per_token(stale_log_ratio), mask, dim=-1)  # [B]
+        parts += [resp_stale.sum(), resp_stale.square().sum(), (resp_stale * resp_len).sum()]
     return torch.stack(parts)
 
 
@@ -487,20 +506,25 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
         sum_dev_a2,
         n_adv,
         sum_dev,
+        sum_k3_stale,
+        resp_k3_stale_sq,
+        resp_k3_stale_len,
     ) = stats.double().unbind()
     zero, one = torch.zeros_like(n), torch.ones_like(n)
 
-    kl = safe_ratio(sum_k3, n, zero).clamp(min=0.0)  # D
-    # Response-clustered variance of the ratio estimator D = sum k3 / N (responses are the
-    # independent units; tokens of one response are not), with the S / (S - 1) small-sample factor.
-    resid = (resp_k3_sq - 2.0 * kl * resp_k3_len + kl.square() * resp_len_sq).clamp(min=0.0)
-    kl_var = safe_ratio(n_resp * resid, (n_resp - 1.0).clamp(min=0.0) * n.square(), zero)
-    reliability = torch.where(
-        (n_resp >= 2) & (kl > 0), (1.0 - safe_ratio(kl_var, kl.square(), one)).clamp(0.0, 1.0), zero
-    )
+    kl, kl_var, reliability = _clustered_kl(sum_k3, resp_k3_sq, resp_k3_len, resp_len_sq, n, n_resp)  # D
     spread = safe_ratio(sum_spread, n_ent, one).clamp(min=SPREAD_FLOOR, max=1.0)  # G
-    severity = 2.0 * kl / (spread if params.use_entropy else one)  # beta
-    bias_sq = severity.square() * (reliability if params.use_reliability else one)
+    per_spread = spread if params.use_entropy else one
+    severity = 2.0 * kl / per_spread  # beta: the logit-noise variance, a second-order bias (docs/ais.md 3)
+    use_r = params.use_reliability
+    bias_sq = severity.square() * (reliability if use_r else one)
+    # Staleness (docs/async.md): the trainer's own updates moved the logits along the gradient, a drift whose bias
+    # is first order in it, beta_s = sqrt(2 D_s / G); the two biases point unrelated ways, so their squares add.
+    kl_stale, _, reliability_stale = _clustered_kl(
+        sum_k3_stale, resp_k3_stale_sq, resp_k3_stale_len, resp_len_sq, n, n_resp
+    )
+    severity_stale_sq = 2.0 * kl_stale / per_spread  # beta_s^2
+    bias_sq = bias_sq + severity_stale_sq * (reliability_stale if use_r else one)
     use_adv = (n_adv > 0) & (sum_a2 > 0)
     chi2 = torch.where(use_adv, safe_ratio(sum_dev_a2, sum_a2, zero), safe_ratio(sum_dev, n, zero))
     variance_excess = params.update_noise_to_signal * chi2
@@ -516,7 +540,30 @@ def ais_coefficient(stats: torch.Tensor, params: AISParams) -> dict[str, torch.T
         "kl_k3": kl,
         "kl_k3_se": kl_var.sqrt(),
         "spread": spread,
+        "kl_k3_staleness": kl_stale,
+        "severity_staleness": severity_stale_sq.sqrt(),
     }
+
+
+def _clustered_kl(
+    sum_k3: torch.Tensor,
+    resp_k3_sq: torch.Tensor,
+    resp_k3_len: torch.Tensor,
+    resp_len_sq: torch.Tensor,
+    n: torch.Tensor,
+    n_resp: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(D, Var(D), R)``: the per-token KL ``D = sum k3 / N``, the response-clustered variance of that ratio
+    estimator (responses are the independent units, tokens of one response are not; the S / (S - 1) small-sample
+    factor) and the weight reliability ``R = max(0, 1 - Var(D) / D^2)`` (0 with D = 0 or fewer than 2 responses)."""
+    zero, one = torch.zeros_like(n), torch.ones_like(n)
+    kl = safe_ratio(sum_k3, n, zero).clamp(min=0.0)
+    resid = (resp_k3_sq - 2.0 * kl * resp_k3_len + kl.square() * resp_len_sq).clamp(min=0.0)
+    kl_var = safe_ratio(n_resp * resid, (n_resp - 1.0).clamp(min=0.0) * n.square(), zero)
+    reliability = torch.where(
+        (n_resp >= 2) & (kl > 0), (1.0 - safe_ratio(kl_var, kl.square(), one)).clamp(0.0, 1.0), zero
+    )
+    return kl, kl_var, reliability
 
 
 class AIS(MixingCorrector):
@@ -587,6 +634,7 @@ class AIS(MixingCorrector):
 
     logged = AIS_COMPONENTS[1:]
     uses_impurity = True
+    uses_staleness = True
 
     def __init__(
         self,
@@ -633,10 +681,10 @@ class AIS(MixingCorrector):
         advantages: torch.Tensor | None,
         entropy: torch.Tensor | None,
         impurity: torch.Tensor | None = None,
+        stale_log_ratio: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return ais_sufficient_statistics(
-            delta, mask, base, advantages, entropy, self.params.spread_impurity(impurity, entropy)
-        )
+        impurity = self.params.spread_impurity(impurity, entropy)
+        return ais_sufficient_statistics(delta, mask, base, advantages, entropy, impurity, stale_log_ratio)
 
     def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
         return ais_coefficient(stats, self.params)

@@ -92,6 +92,9 @@ class Corrector(nn.Module):
     """Whether ``correct`` needs ``logprobs=(train_logprobs, rollout_logprobs)`` besides ``delta``."""
     uses_impurity: bool = False
     """Whether ``correct`` takes ``impurity=`` (the trainer's ``[B, T]`` collision impurity, or None)."""
+    uses_staleness: bool = False
+    """Whether ``correct`` takes ``stale_log_ratio=`` (``[B, T]`` log pi_prox - log pi_v, the part of ``delta`` that
+    staleness made in an asynchronous run, ``ais_lightning.staleness.split_log_ratio``; None when not measured)."""
 
     def correct(
         self,
@@ -102,13 +105,15 @@ class Corrector(nn.Module):
         *,
         impurity: torch.Tensor | None = None,
         logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stale_log_ratio: torch.Tensor | None = None,
     ) -> RawCorrection:
         """Weights and kept tokens from the clamped log-ratio ``delta`` (0 on masked tokens).  # [B, T]
 
         Everything a corrector may receive: ``delta`` and ``mask`` ``[B, T]``, ``advantages`` (``[B]`` or
         ``[B, T]``) and ``entropy`` ``[B, T]`` or None, always passed; ``impurity`` (``[B, T]`` or None) only to a
-        corrector that sets ``uses_impurity``, and ``logprobs=(train, rollout)`` (``[B, T]`` each) only to one that
-        sets ``needs_logprobs``, so a subclass that uses neither may leave them out of its signature.
+        corrector that sets ``uses_impurity``, ``logprobs=(train, rollout)`` (``[B, T]`` each) only to one that
+        sets ``needs_logprobs``, and ``stale_log_ratio`` (``[B, T]`` or None) only to one that sets
+        ``uses_staleness``, so a subclass that uses none of them may leave them out of its signature.
         """
         raise NotImplementedError
 
@@ -156,6 +161,7 @@ class Corrector(nn.Module):
         train_logprobs: torch.Tensor | None = None,
         rollout_logprobs: torch.Tensor | None = None,
         impurity: torch.Tensor | None = None,
+        stale_log_ratio: torch.Tensor | None = None,
     ) -> CorrectionOutput:
         """Correct one batch from an already validated log-ratio (no input checks).
 
@@ -163,11 +169,16 @@ class Corrector(nn.Module):
         0 on masked tokens): a caller that feeds the same batch to the diagnostics computes it once.
         ``train_logprobs``/``rollout_logprobs`` are needed only by correctors with ``needs_logprobs``
         (a rule on probabilities, not their ratio); pass them whenever you have them, and ``impurity``
-        likewise (read by correctors with ``uses_impurity``).
+        and ``stale_log_ratio`` likewise (read by correctors with ``uses_impurity`` / ``uses_staleness``).
+        An asynchronous run's ``delta`` is log pi_prox - log mu, precision and staleness together: every corrector
+        corrects it as it is; ``stale_log_ratio`` only tells one that models the two apart (AIS) which part is
+        which.
         """
         extra: dict[str, object] = {}
         if self.uses_impurity:
             extra["impurity"] = None if impurity is None else impurity.detach()
+        if self.uses_staleness:
+            extra["stale_log_ratio"] = None if stale_log_ratio is None else stale_log_ratio.detach()
         if self.needs_logprobs:
             if train_logprobs is None or rollout_logprobs is None:
                 raise ValueError(

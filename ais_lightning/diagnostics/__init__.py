@@ -11,6 +11,7 @@ from ais_lightning.diagnostics.alignment import (
     ReverseKL,
     SequenceMultProbError,
     TokenMultProbError,
+    responses_within_error,
     sequence_mult_prob_error,
 )
 from ais_lightning.diagnostics.collection import MismatchDiagnostics
@@ -55,5 +56,6 @@ __all__ = [
     "TokenEntropy",
     "TokenMultProbError",
     "repeat_token_mask",
+    "responses_within_error",
     "sequence_mult_prob_error",
 ]

@@ -73,11 +73,13 @@ class _SummedStatisticMetric(Metric):
         entropy: torch.Tensor | None = None,
         log_ratio: torch.Tensor | None = None,
         impurity: torch.Tensor | None = None,
+        stale_log_ratio: torch.Tensor | None = None,
     ) -> None:
         """Accumulate the sufficient statistics of one batch (same arguments as a corrector call).
 
         ``log_ratio``: optional precomputed ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)``;
-        the caller has then validated the inputs (nothing is re-validated).
+        the caller has then validated the inputs (nothing is re-validated). ``stale_log_ratio``: the part of it
+        that staleness made (an asynchronous run), read by AIS v2's coefficient as AIS reads it.
         """
         if log_ratio is None:
             ops.check_logprob_inputs(
@@ -89,7 +91,8 @@ class _SummedStatisticMetric(Metric):
                 impurity=impurity,
             )
             log_ratio = ops.log_ratio(train_logprobs, rollout_logprobs, mask)
-        batch = self._batch_statistics(log_ratio.float(), mask, advantages, entropy, impurity)  # [K]
+        stale = {} if stale_log_ratio is None else {"stale_log_ratio": stale_log_ratio.float()}
+        batch = self._batch_statistics(log_ratio.float(), mask, advantages, entropy, impurity, **stale)  # [K]
         self.stats += batch.to(self.stats.dtype)
 
 
@@ -115,10 +118,12 @@ class AISCoefficient(_SummedStatisticMetric):
             )
         self.params = ais_params() if params is None else params
 
-    def _batch_statistics(self, delta, mask, advantages, entropy, impurity) -> torch.Tensor:
+    def _batch_statistics(
+        self, delta, mask, advantages, entropy, impurity, stale_log_ratio=None
+    ) -> torch.Tensor:
         base, _ = ais_base_weights(delta, mask, self.params)  # [B, T]
         impurity = self.params.spread_impurity(impurity, entropy)
-        return ais_sufficient_statistics(delta, mask, base, advantages, entropy, impurity)
+        return ais_sufficient_statistics(delta, mask, base, advantages, entropy, impurity, stale_log_ratio)
 
     def compute(self) -> torch.Tensor:
         """The chosen component from the accumulated sums (0-dim float64)."""

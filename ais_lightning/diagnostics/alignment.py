@@ -131,6 +131,16 @@ def sequence_mult_prob_error(
     return torch.where(sequence_mask(mask), per_row, torch.ones_like(per_row))  # [B]
 
 
+def responses_within_error(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float | None
+) -> torch.Tensor | None:
+    """The responses whose :func:`sequence_mult_prob_error` (the mean exp|log pi - log mu| over their tokens) is at most
+    ``threshold`` (``[B]`` bool; NeMo-RL's ``seq_logprob_error_threshold``); None when ``threshold`` is None."""
+    if threshold is None:
+        return None
+    return sequence_mult_prob_error(train_logprobs, rollout_logprobs, mask) <= threshold  # [B]
+
+
 def _probabilities(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """exp(log p) on valid tokens, 0 on masked ones (padding may hold -inf or NaN).  # [B, T] float64"""
     lp = logprobs.detach().to(STATE_DTYPE)

@@ -8,13 +8,12 @@ QaRL's sequence-level trust-band objective. Every loss subclasses ``PolicyLoss``
 from __future__ import annotations
 
 from ais_lightning.losses.advantages import ADVANTAGE_SCALES, group_advantages
-from ais_lightning.losses.base import PolicyLoss
+from ais_lightning.losses.base import LossOutput, PolicyLoss
 from ais_lightning.losses.grpo import (
     AGGREGATIONS,
     KL_RATIOS,
     MODES,
     GRPOLoss,
-    LossOutput,
     aggregate,
     check_identity_weights,
     importance_ratio,

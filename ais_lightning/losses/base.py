@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from ais_lightning.losses.grpo import LossOutput
+
+@dataclass
+class LossOutput:
+    """What every :class:`PolicyLoss` returns."""
+
+    loss: torch.Tensor
+    """Scalar loss, differentiable w.r.t. ``logprobs`` (and ``entropy`` when the loss has an entropy bonus)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Detached scalars, keys ``loss/...`` (each loss documents its own)."""
+    shares: frozenset[str] = frozenset()
+    """The stats that are this call's share of the batch's value when the call got the batch's
+    ``denominator``: over the micro-batches of one batch they add up (the others are per-call means)."""
 
 
 class PolicyLoss(nn.Module):
@@ -22,6 +32,8 @@ class PolicyLoss(nn.Module):
       (with its gradient) / ``ref_logprobs`` (then it keeps a frozen reference policy).
     - :attr:`own_correction` [None]: None, or a sentence saying how the loss corrects the rollout mismatch itself
       (then it accepts only identity ``weights``, and a run's corrector must be ``none``).
+    - :attr:`trust_region` [None]: how far one update may move a token's ratio to the old policy (PPO's clip
+      epsilon), or None; an adaptive staleness bound keeps stale rows within it by default.
 
     Example:
         >>> from ais_lightning.losses import GRPOLoss, PolicyLoss, TBPOLoss
@@ -38,6 +50,8 @@ class PolicyLoss(nn.Module):
     """Whether ``forward`` needs ``ref_logprobs`` (a KL penalty against a frozen reference)."""
     own_correction: str | None = None
     """How the loss corrects the rollout mismatch itself (it then takes no importance weights), or None."""
+    trust_region: float | None = None
+    """How far one update may move a token's ratio pi_theta / pi_old away from 1 (PPO's clip epsilon), or None."""
 
     def forward(
         self,

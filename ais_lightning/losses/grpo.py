@@ -56,30 +56,16 @@ a training loop passes the same inputs whichever loss it holds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from ais_lightning.losses.base import PolicyLoss
+from ais_lightning.losses.base import LossOutput, PolicyLoss
 from ais_lightning.losses.penalties import squared_log_ratio_penalty
 from ais_lightning.ops import LOG_RATIO_CLAMP, check_mask, check_token_tensor, masked_mean, masked_sum
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MODES = ("decoupled", "bypass")
 KL_RATIOS = ("none", "old", "rollout")
-
-
-@dataclass
-class LossOutput:
-    """What :class:`GRPOLoss` returns."""
-
-    loss: torch.Tensor
-    """Scalar loss, differentiable w.r.t. ``logprobs`` (and ``entropy`` when ``entropy_coef != 0``)."""
-    stats: dict[str, float] = field(default_factory=dict)
-    """Detached scalars, keys ``loss/...`` (see :class:`GRPOLoss`)."""
-    shares: frozenset[str] = frozenset()
-    """The stats that are this call's share of the batch's value when the call got the batch's
-    ``denominator``: over the micro-batches of one batch they add up (the others are per-call means)."""
 
 
 def aggregate(
@@ -177,6 +163,58 @@ def check_identity_weights(weights: torch.Tensor, mask: torch.Tensor, loss_name:
         )
 
 
+def masked_as(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` with masked positions zeroed *before* any math, so padding (-inf, NaN) cannot leak into
+    gradients.  # [B, T]"""
+    x = x.to(dtype)
+    return torch.where(mask, x, torch.zeros_like(x))  # [B, T]
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, ``-min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A)``, bounded by
+    ``-dual_clip * A`` where ``A < 0`` (module docstring); returns ``(pg, clipped, dual_active)``, each ``[B, T]``:
+    the per-token loss, where the clipped branch is taken and where the dual clip is active (valid tokens only).
+    ``ratio`` and ``advantages`` ``[B, T]``, masked positions zeroed."""
+    pg_unclipped = -advantages * ratio  # [B, T]
+    pg_clipped = -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)  # [B, T]
+    pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
+    clipped = (pg_clipped > pg_unclipped) & mask  # [B, T]
+    if dual_clip is None:
+        return pg, clipped, torch.zeros_like(mask)
+    pg_dual = -advantages * dual_clip  # [B, T]
+    dual_active = (advantages < 0) & (pg > pg_dual) & mask  # [B, T]
+    return torch.where(dual_active, pg_dual, pg), clipped, dual_active  # [B, T] each
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi_theta || ref) per token, ``exp(d) - d - 1`` with ``d = log ref - log pi_theta``
+    clamped to +-20: non-negative, differentiable in ``logprobs``.  # [B, T]"""
+    log_ref_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    return torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], >= 0
+
+
+def clip_stats(
+    ratio: torch.Tensor, clipped: torch.Tensor, dual_active: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """``loss/pg_clipfrac``, ``loss/pg_clipfrac_lower``, ``loss/ratio_mean`` and ``loss/ratio_max`` over the valid
+    tokens of ``mask`` (0 when there are none), from :func:`clipped_surrogate`'s outputs."""
+    with torch.no_grad():
+        n_valid = mask.sum().clamp(min=1)
+        return {
+            "loss/pg_clipfrac": (clipped.sum() / n_valid).item(),
+            "loss/pg_clipfrac_lower": (dual_active.sum() / n_valid).item(),
+            "loss/ratio_mean": masked_mean(ratio, mask).item(),
+            "loss/ratio_max": ratio[mask].max().item() if bool(mask.any()) else 0.0,
+        }
+
+
 class GRPOLoss(PolicyLoss):
     """PPO-clip policy-gradient loss for GRPO with IS weights, k3 KL and entropy bonus.
 
@@ -248,6 +286,7 @@ class GRPOLoss(PolicyLoss):
             )
         self.epsilon_low = float(epsilon_low)
         self.epsilon_high = float(epsilon_high)
+        self.trust_region = min(self.epsilon_low, self.epsilon_high)  # the tighter side of the clip
         self.dual_clip = None if dual_clip is None else float(dual_clip)
         self.kl_coef = float(kl_coef)
         self.entropy_coef = float(entropy_coef)
@@ -329,6 +368,68 @@ class GRPOLoss(PolicyLoss):
             rollout_logprobs: ``[B, T]`` log mu from the rollout engine; the old policy in bypass mode,
                 unused in decoupled mode (the corrector's ``weights`` carry pi_old/mu there).
         """
+        advantages, weights, old_logprobs = self._checked_inputs(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            weights,
+            ref_logprobs,
+            entropy,
+            denominator,
+            rollout_logprobs,
+        )
+        dtype = torch.promote_types(logprobs.dtype, torch.float32)
+        logp = masked_as(logprobs, mask, dtype)  # [B, T], grad
+        old = masked_as(old_logprobs.detach(), mask, dtype)  # [B, T]
+        adv = masked_as(advantages.detach(), mask, dtype)  # [B, T]
+
+        ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
+        pg, clipped, dual_active = clipped_surrogate(
+            ratio, adv, mask, self.epsilon_low, self.epsilon_high, self.dual_clip
+        )  # [B, T] each
+        if weights is not None:
+            pg = pg * masked_as(weights.detach(), mask, dtype)  # [B, T], IS weight after clipping
+
+        pg_loss = self._aggregate(pg, mask, denominator)
+        loss = pg_loss
+        stats: dict[str, float] = {"loss/pg_loss": pg_loss.item()}
+        if ref_logprobs is not None:
+            kl = self._reference_kl(logp, old, ref_logprobs, rollout_logprobs, mask, denominator, stats)
+            if self.kl_coef > 0:
+                loss = loss + self.kl_coef * kl
+        if self.mismatch_penalty_coef > 0:
+            penalty = self._aggregate(
+                squared_log_ratio_penalty(logp, rollout_logprobs, mask), mask, denominator
+            )
+            stats["loss/mismatch_penalty"] = penalty.item()
+            loss = loss + self.mismatch_penalty_coef * penalty
+        if entropy is not None:
+            ent = self._aggregate(masked_as(entropy, mask, dtype), mask, denominator)
+            stats["loss/entropy"] = ent.item()
+            if self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * ent
+
+        stats.update(clip_stats(ratio, clipped, dual_active, mask))
+        stats["loss/total"] = loss.item()
+        shares = frozenset(("loss/pg_loss", "loss/kl", "loss/mismatch_penalty", "loss/entropy", "loss/total"))
+        return LossOutput(loss=loss, stats=stats, shares=shares & stats.keys())
+
+    def _checked_inputs(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+        denominator: float | torch.Tensor | None,
+        rollout_logprobs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Check :meth:`forward`'s inputs against the loss's options (ValueError naming the tensor); returns the
+        advantages broadcast to ``[B, T]``, the IS weights (None in bypass mode, whose identity weights are
+        refused otherwise) and the old policy's log-probs (mu's in bypass mode when ``rollout_logprobs`` is given)."""
         advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
         if weights is not None:
             check_token_tensor(weights, "weights", mask)
@@ -356,70 +457,30 @@ class GRPOLoss(PolicyLoss):
             raise ValueError(f"entropy is required when entropy_coef={self.entropy_coef} > 0")
         if denominator is not None and not bool(torch.as_tensor(denominator) > 0):
             raise ValueError(f"denominator must be > 0, got {denominator}")
-
-        dtype = torch.promote_types(logprobs.dtype, torch.float32)
-
-        def clean(x: torch.Tensor) -> torch.Tensor:
-            # Zero masked positions *before* any math so padding (-inf, NaN) cannot leak into grads.
-            x = x.to(dtype)
-            return torch.where(mask, x, torch.zeros_like(x))  # [B, T]
-
-        logp = clean(logprobs)  # [B, T], grad
-        old = clean(old_logprobs.detach())  # [B, T]
-        adv = clean(advantages.detach())  # [B, T]
-
-        ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
-        pg_unclipped = -adv * ratio  # [B, T]
-        pg_clipped = -adv * ratio.clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)  # [B, T]
-        pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
-        clipped = (pg_clipped > pg_unclipped) & mask  # [B, T]
-        if self.dual_clip is not None:
-            pg_dual = -adv * self.dual_clip  # [B, T]
-            dual_active = (adv < 0) & (pg > pg_dual) & mask  # [B, T]
-            pg = torch.where(dual_active, pg_dual, pg)  # [B, T]
-        else:
-            dual_active = torch.zeros_like(mask)
-        if weights is not None:
-            pg = pg * clean(weights.detach())  # [B, T], IS weight after clipping
-
-        pg_loss = self._aggregate(pg, mask, denominator)
-        loss = pg_loss
-        stats: dict[str, float] = {"loss/pg_loss": pg_loss.item()}
-        if ref_logprobs is not None:
-            ref = clean(ref_logprobs.detach())  # [B, T]
-            log_ref_ratio = (ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
-            k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], >= 0
-            if self.kl_ratio != "none":
-                base = old if self.kl_ratio == "old" else clean(rollout_logprobs.detach())  # [B, T]
-                kl_weight = importance_ratio(logp, base)  # [B, T], with grad through logp
-                k3 = kl_weight * k3  # [B, T]
-                stats["loss/kl_ratio_mean"] = masked_mean(kl_weight.detach(), mask).item()
-            kl = self._aggregate(k3, mask, denominator)
-            stats["loss/kl"] = kl.item()
-            if self.kl_coef > 0:
-                loss = loss + self.kl_coef * kl
-        if self.mismatch_penalty_coef > 0:
-            if rollout_logprobs is None:
-                raise ValueError(
-                    f"rollout_logprobs is required when mismatch_penalty_coef={self.mismatch_penalty_coef}"
-                )
-            penalty = self._aggregate(
-                squared_log_ratio_penalty(logp, rollout_logprobs, mask), mask, denominator
+        if self.mismatch_penalty_coef > 0 and rollout_logprobs is None:
+            raise ValueError(
+                f"rollout_logprobs is required when mismatch_penalty_coef={self.mismatch_penalty_coef}"
             )
-            stats["loss/mismatch_penalty"] = penalty.item()
-            loss = loss + self.mismatch_penalty_coef * penalty
-        if entropy is not None:
-            ent = self._aggregate(clean(entropy), mask, denominator)
-            stats["loss/entropy"] = ent.item()
-            if self.entropy_coef > 0:
-                loss = loss - self.entropy_coef * ent
+        return advantages, weights, old_logprobs
 
-        with torch.no_grad():
-            n_valid = mask.sum().clamp(min=1)
-            stats["loss/pg_clipfrac"] = (clipped.sum() / n_valid).item()
-            stats["loss/pg_clipfrac_lower"] = (dual_active.sum() / n_valid).item()
-            stats["loss/ratio_mean"] = masked_mean(ratio, mask).item()
-            stats["loss/ratio_max"] = ratio[mask].max().item() if bool(mask.any()) else 0.0
-            stats["loss/total"] = loss.item()
-        shares = frozenset(("loss/pg_loss", "loss/kl", "loss/mismatch_penalty", "loss/entropy", "loss/total"))
-        return LossOutput(loss=loss, stats=stats, shares=shares & stats.keys())
+    def _reference_kl(
+        self,
+        logp: torch.Tensor,
+        old: torch.Tensor,
+        ref_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor | None,
+        mask: torch.Tensor,
+        denominator: float | torch.Tensor | None,
+        stats: dict[str, float],
+    ) -> torch.Tensor:
+        """The aggregated k3 KL(pi_theta || ref) term, weighted by ``kl_ratio``'s importance ratio; records
+        ``loss/kl`` (and ``loss/kl_ratio_mean``) in ``stats``. ``logp`` / ``old``: masked, in the loss's dtype."""
+        k3 = k3_kl(logp, masked_as(ref_logprobs.detach(), mask, logp.dtype))  # [B, T], >= 0
+        if self.kl_ratio != "none":
+            base = old if self.kl_ratio == "old" else masked_as(rollout_logprobs.detach(), mask, logp.dtype)
+            kl_weight = importance_ratio(logp, base)  # [B, T], with grad through logp
+            k3 = kl_weight * k3  # [B, T]
+            stats["loss/kl_ratio_mean"] = masked_mean(kl_weight.detach(), mask).item()
+        kl = self._aggregate(k3, mask, denominator)
+        stats["loss/kl"] = kl.item()
+        return kl

@@ -40,12 +40,13 @@ import math
 
 import torch
 
-from ais_lightning.losses.base import PolicyLoss
+from ais_lightning.losses.base import LossOutput, PolicyLoss
 from ais_lightning.losses.grpo import (
-    LossOutput,
     aggregate,
     check_identity_weights,
     check_policy_loss_inputs,
+    clipped_surrogate,
+    masked_as,
 )
 from ais_lightning.ops import check_token_tensor, log_ratio, masked_mean, sequence_log_ratio
 
@@ -164,39 +165,28 @@ class TBPOLoss(PolicyLoss):
             denominator: positive count replacing the number of kept sequences (micro-batches of one
                 mini-batch, each divided by the mini-batch's kept count, then sum to its loss).
         """
-        advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
-        if weights is not None:
-            check_token_tensor(weights, "weights", mask)
-            check_identity_weights(weights, mask, "TBPOLoss")
-        for name, value in (("ref_logprobs", ref_logprobs), ("entropy", entropy)):
-            if value is not None:
-                raise ValueError(f"{name} must be None: TBPOLoss has no KL penalty and no entropy bonus")
-        if rollout_logprobs is not None:
-            check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
-        if denominator is not None and not bool(torch.as_tensor(denominator) > 0):
-            raise ValueError(f"denominator must be > 0, got {denominator}")
-
+        advantages = self._checked_inputs(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            weights,
+            ref_logprobs,
+            entropy,
+            denominator,
+            rollout_logprobs,
+        )  # [B, T]
         dtype = torch.promote_types(logprobs.dtype, torch.float32)
-        zero = torch.zeros((), dtype=dtype, device=logprobs.device)
-        # Zero masked positions *before* any math so padding (-inf, NaN) cannot leak into grads.
-        logp = torch.where(mask, logprobs.to(dtype), zero)  # [B, T], grad
-        old = torch.where(mask, old_logprobs.detach().to(dtype), zero)  # [B, T]
-        adv_tok = torch.where(mask, advantages.detach().to(dtype), zero)  # [B, T]
+        logp = masked_as(logprobs, mask, dtype)  # [B, T], grad
+        old = masked_as(old_logprobs.detach(), mask, dtype)  # [B, T]
+        adv_tok = masked_as(advantages.detach(), mask, dtype)  # [B, T]
 
         has_valid = mask.any(dim=-1)  # [B]
         adv = masked_mean(adv_tok, mask, dim=-1)  # [B]
         ratio = torch.exp(geometric_log_ratio(logp - old, mask))  # [B], grad
-        pg_unclipped = -adv * ratio  # [B]
-        pg_clipped = -adv * ratio.clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)  # [B]
-        pg = torch.maximum(pg_unclipped, pg_clipped)  # [B]
-        clipped = pg_clipped > pg_unclipped  # [B]
-        if self.dual_clip is not None:
-            pg_dual = -adv * self.dual_clip  # [B]
-            dual_active = (adv < 0) & (pg > pg_dual)  # [B]
-            pg = torch.where(dual_active, pg_dual, pg)  # [B]
-        else:
-            dual_active = torch.zeros_like(has_valid)
-
+        pg, clipped, dual_active = clipped_surrogate(
+            ratio, adv, has_valid, self.epsilon_low, self.epsilon_high, self.dual_clip
+        )  # [B] each: one "token" per sequence
         mismatch, below, above, kept = self._band(old_logprobs, rollout_logprobs, mask, dtype)  # [B] each
         if self.weight_by_mismatch:
             pg = pg * mismatch  # [B], detached weight after clipping
@@ -205,7 +195,6 @@ class TBPOLoss(PolicyLoss):
         # graph when none is kept.
         pg_loss = aggregate(pg.unsqueeze(-1), kept.unsqueeze(-1), "token-mean", denominator=denominator)
         loss = pg_loss
-
         with torch.no_grad():
             n_seq = has_valid.sum().clamp(min=1)
             n_kept = kept.sum().clamp(min=1)
@@ -221,6 +210,33 @@ class TBPOLoss(PolicyLoss):
                 "tbpo/dual_clipfrac": ((dual_active & kept).sum() / n_kept).item(),
             }
         return LossOutput(loss=loss, stats=stats, shares=frozenset(("loss/pg_loss", "loss/total")))
+
+    @staticmethod
+    def _checked_inputs(
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+        denominator: float | torch.Tensor | None,
+        rollout_logprobs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Check :meth:`forward`'s inputs (ValueError naming the tensor: TBPO takes no IS weights, no reference and
+        no entropy); returns the advantages broadcast to ``[B, T]``."""
+        advantages = check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask)  # [B, T]
+        if weights is not None:
+            check_token_tensor(weights, "weights", mask)
+            check_identity_weights(weights, mask, "TBPOLoss")
+        for name, value in (("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+            if value is not None:
+                raise ValueError(f"{name} must be None: TBPOLoss has no KL penalty and no entropy bonus")
+        if rollout_logprobs is not None:
+            check_token_tensor(rollout_logprobs, "rollout_logprobs", mask)
+        if denominator is not None and not bool(torch.as_tensor(denominator) > 0):
+            raise ValueError(f"denominator must be > 0, got {denominator}")
+        return advantages
 
     def _band(
         self,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ais_lightning.checks import check_int
 from ais_lightning.losses import ADVANTAGE_SCALES
+from ais_lightning.staleness import STALE_POLICIES, check_lag
 
 __all__ = ["GRPOSettings"]
 
@@ -80,6 +82,40 @@ class GRPOSettings:
     """A prompt whose tokens plus ``max_new_tokens`` pass the policy model's context (``max_position_embeddings``)
     is cut to its last tokens that fit (one WARNING says how many were cut). False: such a prompt is refused,
     naming its length, ``max_new_tokens`` and the context (past it a model extrapolates its positions)."""
+    max_staleness: int = 0
+    """Asynchronous GRPO (docs/async.md): how many policy versions old a trained rollout may be, a version being the
+    weights after one more rollout step's update; 0 = the synchronous loop (generate with the current weights,
+    update, sync), bit for bit. The loss's trust region is then taken against the trainer's own log-probs at the
+    current weights (decoupled PPO) and the corrector corrects pi_prox / mu, which carries both the precision and the
+    staleness of the rollout."""
+    on_stale: str = "wait"
+    """What happens to rollouts staler than the bound: ``wait`` (the trainer takes rollouts of the oldest version the
+    bound admits: generation waits for the trainer) | ``drop`` (they are discarded, counted in
+    ``staleness/dropped``, and generated again with the current weights)."""
+    rollout_lag: list[int] | None = None
+    """The deterministic in-process mode: how many versions behind the trained weights each step's rollouts are
+    generated, cycled over the steps (generation uses the kept weights of exactly that version); None =
+    ``[max_staleness]``, the steady state of a pipeline of that depth. A lag above the bound goes by ``on_stale``.
+    Rollout workers (``workers=ray``) ignore it: their staleness is what the timing makes it."""
+    rollout_lag_random: bool = False
+    """Draw each step's lag uniformly from ``rollout_lag`` (seeded by the run's seed and the step) instead of
+    cycling through it: staleness that varies from step to step."""
+    adaptive_staleness: bool = False
+    """An adaptive bound (``ais_lightning.staleness.AdaptiveStalenessBound``): each step's bound is the largest
+    staleness (<= ``max_staleness``) whose predicted chi^2 of the staleness part, from the measured drift per version,
+    stays within ``staleness_chi2_target``: the trainer waits for fresher rollouts when the policy moves fast. False:
+    the fixed bound ``max_staleness``. Needs ``measure_staleness``."""
+    staleness_chi2_target: float | None = None
+    """The adaptive bound's target; None: the loss's trust region squared (epsilon^2 of PPO's clip, 0.04 for GRPO's
+    default: stale rows stay, on average, as close to pi_prox as one update may move it; docs/async.md)."""
+    measure_staleness: bool = True
+    """With ``max_staleness > 0``: split the mismatch into its precision part log(pi_v / mu) and its staleness part
+    log(pi_prox / pi_v) (``mismatch/precision/*``, ``mismatch/staleness/*``) by scoring the stale rows with the
+    trainer's weights of their generating version: one no-grad forward over the stale rows per step and an unsharded
+    copy of the policy. AIS reads the staleness part."""
+
+    MODULE: ClassVar[str] = "ais_lightning.modules.grpo.GRPOModule"
+    """The LightningModule this algorithm runs, as an import path (``module_class`` resolves it)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "ppo_epochs", "mini_batches", "val_every_n_steps"):
@@ -114,8 +150,10 @@ class GRPOSettings:
                 raise ValueError(
                     f"{name} must be a finite number >= 1 (exp|log pi - log mu| >= 1) or None, got {value!r}"
                 )
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= 1):  # AdamW moves each weight by ~lr per step
+            raise ValueError(
+                f"lr must be a number in (0, 1] (AdamW moves every weight by about lr per step), got {self.lr}"
+            )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if (
@@ -136,19 +174,53 @@ class GRPOSettings:
             )
         if self.micro_batch_size is not None:
             check_int(self.micro_batch_size, "micro_batch_size")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        check_int(self.max_staleness, "max_staleness", minimum=0)
+        if self.on_stale not in STALE_POLICIES:
+            raise ValueError(f"on_stale must be one of {list(STALE_POLICIES)}, got {self.on_stale!r}")
+        check_lag(self.rollout_lag)
+        if self.rollout_lag is not None:
+            self.rollout_lag = [int(k) for k in self.rollout_lag]
+        for name in ("rollout_lag_random", "measure_staleness", "adaptive_staleness"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.max_staleness == 0 and any(self.rollout_lag or []):
+            raise ValueError(
+                f"rollout_lag={self.rollout_lag} generates with older weights, which needs max_staleness > 0 "
+                "(the bound on how old a trained rollout may be)"
+            )
+        target = self.staleness_chi2_target
+        if target is not None and (
+            isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf
+        ):
+            raise ValueError(f"staleness_chi2_target must be a finite number > 0 or None, got {target!r}")
+        if not isinstance(self.adaptive_staleness, bool):
+            raise ValueError(f"adaptive_staleness must be true or false, got {self.adaptive_staleness!r}")
+        if self.adaptive_staleness and (self.max_staleness == 0 or not self.measure_staleness):
+            raise ValueError(
+                "adaptive_staleness needs max_staleness > 0 (its largest bound) and measure_staleness=true (the "
+                "bound follows the measured staleness mismatch)"
+            )
+
+    @property
+    def lag(self) -> list[int]:
+        """The deterministic mode's lag schedule: ``rollout_lag``, else ``[max_staleness]``."""
+        return list(self.rollout_lag) if self.rollout_lag is not None else [self.max_staleness]
 
     @property
     def optimizer_steps_per_rollout(self) -> int:
         """Optimizer steps one rollout step takes (Lightning's ``global_step`` counts these)."""
         return self.ppo_epochs * self.mini_batches
 
-    @staticmethod
-    def module_class() -> type:
-        """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments): here
-        ``GRPOModule``; an algorithm with a loop of its own (Sol-RL) returns its subclass."""
-        from ais_lightning.modules.grpo import GRPOModule  # the module imports these settings
-
-        return GRPOModule
+    @classmethod
+    def module_class(cls) -> type:
+        """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments): the class
+        :attr:`MODULE` names, ``GRPOModule`` here; an algorithm with a loop of its own (Sol-RL) names its subclass.
+        A path, not an import: the module imports these settings."""
+        module, _, name = cls.MODULE.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
     def check_components(self, components: Any, cfg: Any = None) -> None:
         """This algorithm's rules involving other config groups (``components``: ``ais_lightning.app.build.Components``;

@@ -85,6 +85,11 @@ class SolRLSettings(GRPOSettings):
                 f"mini_batches={self.mini_batches} must divide train_prompts * group_size = "
                 f"{self.train_prompts * self.group_size}"
             )
+        if self.max_staleness:
+            raise ValueError(
+                "algorithm=solrl learns on-policy from regenerations at the trainer's precision; max_staleness must "
+                f"be 0, got {self.max_staleness}"
+            )
         tol = self.informative_tol
         if (
             isinstance(tol, bool)
@@ -93,10 +98,8 @@ class SolRLSettings(GRPOSettings):
         ):
             raise ValueError(f"informative_tol must be a finite number >= 0, got {tol!r}")
 
-    @staticmethod
-    def module_class() -> type[SolRLModule]:
-        """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments)."""
-        return SolRLModule
+    MODULE: ClassVar[str] = "ais_lightning.modules.solrl.SolRLModule"
+    """The LightningModule this algorithm runs (``ais-train`` builds it with GRPOModule's arguments)."""
 
     def check_components(self, components: Any, cfg: Any = None) -> None:
         """Rules involving other groups (``ais_lightning.app.build.validate``); ValueError naming the key.
@@ -112,6 +115,10 @@ class SolRLSettings(GRPOSettings):
                 f"algorithm=solrl regenerates with the cheap engine's per-step uniforms, and "
                 f"rollout._target_ ({name}) takes none in generate(): use a torch engine option "
                 "(rollout=int8, fp4, fp8, fp32...)"
+            )
+        if components.workers is not None:
+            raise ValueError(
+                "algorithm=solrl screens and regenerates in the trainer's process (coupled noise): drop workers=..."
             )
         if components.eval_engine is None:
             raise ValueError(
@@ -165,8 +172,11 @@ class SolRLModule(GRPOModule):
         settings: SolRLSettings | None = None,
         eval_engine_factory: Any = None,
         seed: int = 0,
+        workers: Any = None,
     ) -> None:
         settings = settings if settings is not None else SolRLSettings()
+        if workers is not None:
+            raise ValueError("Sol-RL screens and regenerates in the trainer's process: workers must be None")
         if not isinstance(settings, SolRLSettings):
             raise ValueError(f"settings must be a SolRLSettings, got {type(settings).__name__}")
         if eval_engine_factory is None:

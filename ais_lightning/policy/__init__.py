@@ -2,7 +2,6 @@
 
 from ais_lightning.models.training import disable_dropout_in, enable_activation_checkpointing
 from ais_lightning.policy.builders import (
-    POLICIES,
     GGUFPretrained,
     PolicySpec,
     Pretrained,
@@ -18,6 +17,17 @@ from ais_lightning.policy.policy import (
     chunked_response_logprobs,
     load_named_tensors,
 )
+
+POLICIES: dict[str, type[PolicySpec]] = {
+    "tiny_qwen3": TinyQwen3,
+    "tiny_qwen3_moe": TinyQwen3Moe,
+    "local": Pretrained,
+    "gguf": GGUFPretrained,
+    "smollm2": SmolLM2,
+    "tiny_llada": TinyLLaDA,
+}
+"""The registry of policy options: config name -> :class:`PolicySpec` subclass (``ais-train`` generates the schema
+``schema/policy/<name>`` of each; docs/design.md, "Adding a policy")."""
 
 __all__ = [
     "POLICIES",

@@ -283,33 +283,100 @@ class Pretrained(PolicySpec):
         _normalize_schedule(self)
 
     def _check_source(self) -> None:
-        """Config-time check of where the weights come from (cheap: nothing is loaded)."""
+        """Config-time check of where the weights come from (cheap: nothing is loaded): a directory with a
+        ``config.json``, weights and a tokenizer (:func:`check_model_directory`)."""
         if not self.path or not os.path.isdir(self.path):
             raise ValueError(f"path must name a local model directory, got {self.path!r}")
+        check_model_directory(self.path)
 
     def checkpoint_dir(self) -> str:
         """The Hugging Face checkpoint directory the policy is loaded from."""
         return self.path
 
     def build(self, seed: int = 0) -> Policy:
-        """The policy (``seed`` is unused: the weights come from the directory)."""
+        """The policy (``seed`` is unused: the weights come from the directory). ValueError naming the directory
+        when its tokenizer or weights cannot be read, its tokenizer encodes nothing, or has more tokens than the
+        model's embedding has rows."""
+        from safetensors import SafetensorError
         from transformers import AutoTokenizer
 
         directory = self.checkpoint_dir()
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"path={directory}: its tokenizer could not be loaded: {err}") from err
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        return Policy.from_pretrained(
-            directory,
-            dtype=getattr(torch, self.dtype),
-            tokenizer=tokenizer,
-            logprob_chunk_size=self.logprob_chunk_size,
-            aligned_quantization=self.aligned_quantization,
-            aligned_schedule=self.aligned_schedule,
-            disable_dropout=self.disable_dropout,
-            gradient_checkpointing=self.gradient_checkpointing,
-            chat_template=self.chat_template,
-            head_dtype=self.head_dtype,
+        if not tokenizer.encode("What is 12+34?", add_special_tokens=False):
+            raise ValueError(
+                f"path={directory}: its tokenizer encodes text to no token at all (an empty vocabulary?): "
+                "the directory needs the model's own tokenizer files"
+            )
+        try:
+            policy = Policy.from_pretrained(
+                directory,
+                dtype=getattr(torch, self.dtype),
+                tokenizer=tokenizer,
+                logprob_chunk_size=self.logprob_chunk_size,
+                aligned_quantization=self.aligned_quantization,
+                aligned_schedule=self.aligned_schedule,
+                disable_dropout=self.disable_dropout,
+                gradient_checkpointing=self.gradient_checkpointing,
+                chat_template=self.chat_template,
+                head_dtype=self.head_dtype,
+            )
+        except (OSError, SafetensorError) as err:  # e.g. a truncated safetensors file
+            raise ValueError(
+                f"path={directory}: the weights could not be read ({type(err).__name__}: {err}); the files are "
+                "damaged or incomplete: copy the model directory again"
+            ) from err
+        rows = policy.model.get_input_embeddings().num_embeddings
+        if len(tokenizer) > rows:
+            raise ValueError(
+                f"path={directory}: its tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+                f"{rows} rows: token ids past {rows - 1} would index outside it (a tokenizer of another model?)"
+            )
+        return policy
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.tiktoken",
+)
+"""Files one of which holds a Hugging Face tokenizer's vocabulary."""
+WEIGHT_FILES = (
+    "*.safetensors",
+    "pytorch_model*.bin",
+    "*.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+"""Files that hold (or index) a Hugging Face model's weights."""
+
+
+def check_model_directory(path: str | os.PathLike[str]) -> None:
+    """ValueError naming ``path`` and what is missing unless it holds a Hugging Face model: ``config.json``,
+    weights (:data:`WEIGHT_FILES`) and a tokenizer (:data:`TOKENIZER_FILES`)."""
+    from pathlib import Path
+
+    directory = Path(path)
+    held = sorted(p.name for p in directory.iterdir())[:8]
+    missing = [
+        what
+        for what, patterns in (
+            ("config.json", ("config.json",)),
+            ("weights (model.safetensors or pytorch_model.bin)", WEIGHT_FILES),
+            ("tokenizer (tokenizer.json, tokenizer.model or vocab.json)", TOKENIZER_FILES),
+        )
+        if not any(any(directory.glob(pattern)) for pattern in patterns)
+    ]
+    if missing:
+        raise ValueError(
+            f"path={directory} is not a complete Hugging Face model directory: it has no {' and no '.join(missing)} "
+            f"(it holds {held or 'nothing'})"
         )
 
 
@@ -351,20 +418,3 @@ class SmolLM2(GGUFPretrained):
     def _check_source(self) -> None:
         self.path = str(smollm2_gguf_path())
         super()._check_source()
-
-
-def _policies() -> dict[str, type]:
-    from ais_lightning.policy.diffusion import TinyLLaDA
-
-    return {
-        "tiny_qwen3": TinyQwen3,
-        "tiny_qwen3_moe": TinyQwen3Moe,
-        "local": Pretrained,
-        "gguf": GGUFPretrained,
-        "smollm2": SmolLM2,
-        "tiny_llada": TinyLLaDA,
-    }
-
-
-POLICIES: dict[str, type] = _policies()
-"""Config names of the built-in policy options (``conf/policy``)."""

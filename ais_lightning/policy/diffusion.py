@@ -247,6 +247,42 @@ def _is_int_at_least(value: Any, minimum: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
 
 
+def _unmasking_path(batch: RolloutBatch) -> tuple[torch.Tensor, ...]:
+    """``(prompt_ids, prompt_mask, response_mask, canvas_ids, unmask_step)`` of a diffusion engine's batch, checked
+    (ValueError naming the field) and usable by autograd: what :meth:`DiffusionPolicy.batch_logprobs` scores."""
+    extras = getattr(batch, "extras", None) or {}
+    missing = [k for k in ("unmask_step", "canvas_ids") if k not in extras]
+    if missing:
+        raise ValueError(
+            f"batch.extras lacks {missing}: DiffusionPolicy scores the unmasking path recorded by "
+            "DiffusionRolloutEngine"
+        )
+    prompt_ids, prompt_mask, response_ids, response_mask, canvas, steps = (
+        autograd_usable(t)
+        for t in (
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            extras["canvas_ids"],
+            extras["unmask_step"],
+        )
+    )
+    _check_sequences(prompt_ids, prompt_mask, response_ids, response_mask)
+    for name, value in (("canvas_ids", canvas), ("unmask_step", steps)):
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.shape != response_mask.shape
+            or value.dtype != torch.long
+        ):
+            raise ValueError(
+                f"batch.extras['{name}'] must be a long tensor of shape {tuple(response_mask.shape)}"
+            )
+    if bool((response_mask & (canvas != response_ids)).any()):
+        raise ValueError("batch.extras['canvas_ids'] disagrees with response_ids on valid tokens")
+    return prompt_ids, prompt_mask, response_mask, canvas, steps
+
+
 class DiffusionPolicy(Policy):
     """A masked-diffusion LM (e.g. :class:`ais_lightning.models.TinyDiffusionLM`) with the methods RL needs.
 
@@ -392,36 +428,7 @@ class DiffusionPolicy(Policy):
         distribution's. One body forward over the distinct (row, step) contexts; gradients flow when enabled
         (to the entropies only with ``entropy_grad``, as in :meth:`Policy.batch_logprobs`).
         """
-        extras = getattr(batch, "extras", None) or {}
-        missing = [k for k in ("unmask_step", "canvas_ids") if k not in extras]
-        if missing:
-            raise ValueError(
-                f"batch.extras lacks {missing}: DiffusionPolicy scores the unmasking path recorded by "
-                "DiffusionRolloutEngine"
-            )
-        prompt_ids, prompt_mask, response_ids, response_mask, canvas, steps = (
-            autograd_usable(t)
-            for t in (
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.response_ids,
-                batch.response_mask,
-                extras["canvas_ids"],
-                extras["unmask_step"],
-            )
-        )
-        _check_sequences(prompt_ids, prompt_mask, response_ids, response_mask)
-        for name, value in (("canvas_ids", canvas), ("unmask_step", steps)):
-            if (
-                not isinstance(value, torch.Tensor)
-                or value.shape != response_mask.shape
-                or value.dtype != torch.long
-            ):
-                raise ValueError(
-                    f"batch.extras['{name}'] must be a long tensor of shape {tuple(response_mask.shape)}"
-                )
-        if bool((response_mask & (canvas != response_ids)).any()):
-            raise ValueError("batch.extras['canvas_ids'] disagrees with response_ids on valid tokens")
+        prompt_ids, prompt_mask, response_mask, canvas, steps = _unmasking_path(batch)
         b, t = response_mask.shape
         plen = prompt_ids.shape[1]
         if not bool(response_mask.any()):

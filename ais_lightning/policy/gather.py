@@ -1,7 +1,8 @@
 """Full weights out of a model, sharded or not, and into another: what an engine's weight sync needs.
 
 :func:`full_state_dict` gathers every parameter and buffer of a model (plain, FSDP2 ``fully_shard``ed or
-inside an FSDP1 ``FullyShardedDataParallel`` root) as full CPU tensors named as in ``model.state_dict()``;
+inside an FSDP1 ``FullyShardedDataParallel`` root) as full tensors (on the CPU, or where they are) named as in
+``model.state_dict()``;
 :func:`load_named_tensors` copies such pairs into a model in place.
 """
 
@@ -33,23 +34,24 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def _cpu_tensors(
-    named: Iterable[tuple[str, torch.Tensor]], snapshot: bool = True
+def _copies(
+    named: Iterable[tuple[str, torch.Tensor]], device: torch.device | str | None, snapshot: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
-    """``named`` with every tensor detached and on the CPU, each distinct tensor copied once.
+    """``named`` with every tensor detached and on ``device`` (None: where it is), each distinct tensor copied once.
 
-    ``snapshot``: CPU tensors are cloned (they never alias the originals); False: a CPU tensor is passed as
-    is (no copy; only for a consumer that copies it at once). Names sharing one tensor (a tied
+    ``snapshot``: tensors already on ``device`` are cloned (they never alias the originals); False: such a tensor
+    is passed as is (no copy; only for a consumer that copies it at once). Names sharing one tensor (a tied
     ``lm_head.weight`` and ``embed_tokens.weight``) share one copy, as the originals share one storage.
     """
+    target = None if device is None else torch.device(device)
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
     out = []
     for name, t in named:
         t = t.detach()
         key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
         if key not in copies:
-            on_cpu = t.device.type == "cpu"
-            copies[key] = t.cpu() if not on_cpu else (t.clone() if snapshot else t)
+            moves = target is not None and t.device != target
+            copies[key] = t.to(target) if moves else (t.clone() if snapshot else t)
         out.append((name, copies[key]))
     return out
 
@@ -84,9 +86,13 @@ def is_fsdp_module(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def full_state_dict(
-    model: nn.Module, rank0_only: bool = False, fsdp_root: nn.Module | None = None, snapshot: bool = True
+    model: nn.Module,
+    rank0_only: bool = False,
+    fsdp_root: nn.Module | None = None,
+    snapshot: bool = True,
+    device: torch.device | str | None = "cpu",
 ) -> list[tuple[str, torch.Tensor]]:
-    """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``.
+    """Full (unsharded) copies of all parameters and buffers, named as in ``model.state_dict()``, on ``device``.
 
     Includes everything ``model.state_dict()`` holds (``lm_head.weight`` beside a tied
     ``model.embed_tokens.weight``) plus the non-persistent buffers it leaves out (rotary ``inv_freq``,
@@ -98,6 +104,11 @@ def full_state_dict(
     that copy for tensors already on the CPU (an unsharded CPU model's are then its live parameters and
     buffers, detached): for a consumer that copies them at once, as every engine's ``sync_weights`` does.
     Names that share a tensor (a tied ``lm_head.weight``) share one copy.
+
+    ``device``: where the tensors are returned, the CPU by default (a checkpoint, a consumer in another
+    process). None leaves them where the gather puts them, the model's device: an engine on the trainer's GPU
+    then gets them without a round trip through pageable host memory (a copy of the whole model per rank) and
+    back. The FSDP2 gather (``cpu_offload=False``) materializes the full tensors on the device either way.
 
     FSDP2 (``fully_shard``, DTensor parameters) needs nothing more. FSDP1 (``FullyShardedDataParallel``
     units inside the model, e.g. Lightning's ``FSDPStrategy`` auto-wrapping the decoder layers) needs
@@ -115,11 +126,15 @@ def full_state_dict(
     ``get_model_state_dict`` ("Cannot set version_counter for inference tensor").
     """
     with torch.inference_mode(False), torch.no_grad():
-        return _full_state_dict(model, rank0_only, fsdp_root, snapshot)
+        return _full_state_dict(model, rank0_only, fsdp_root, snapshot, device)
 
 
 def _full_state_dict(
-    model: nn.Module, rank0_only: bool, fsdp_root: nn.Module | None, snapshot: bool
+    model: nn.Module,
+    rank0_only: bool,
+    fsdp_root: nn.Module | None,
+    snapshot: bool,
+    device: torch.device | str | None,
 ) -> list[tuple[str, torch.Tensor]]:
     if _fsdp1_modules(model):
         state = _fsdp1_state_dict(model, fsdp_root, rank0_only)
@@ -141,7 +156,7 @@ def _full_state_dict(
         if name not in seen:
             named.append((name, buf))
             seen.add(name)
-    return _cpu_tensors(named, snapshot)
+    return _copies(named, device, snapshot)
 
 
 def _fsdp1_state_dict(
@@ -188,3 +203,16 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
                 f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}"
             )
         target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def shard_by_layers(policy: nn.Module, mesh: Any) -> None:
+    """FSDP2: ``fully_shard`` every decoder layer of ``policy`` (``policy.decoder_layers()``), then ``policy`` itself,
+    over ``mesh`` (Lightning ``ModelParallelStrategy``'s ``device_mesh["data_parallel"]``); nothing when ``policy`` is
+    sharded already (Lightning calls ``configure_model`` once per ``fit`` / ``validate``)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(policy, FSDPModule):
+        return
+    for layer in policy.decoder_layers():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)

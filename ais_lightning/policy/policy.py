@@ -403,15 +403,20 @@ class Policy(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(
-        self, rank0_only: bool = False, fsdp_root: nn.Module | None = None, snapshot: bool = True
+        self,
+        rank0_only: bool = False,
+        fsdp_root: nn.Module | None = None,
+        snapshot: bool = True,
+        device: torch.device | str | None = "cpu",
     ) -> list[tuple[str, torch.Tensor]]:
-        """Full (unsharded) CPU copies of all parameters and buffers, named as in ``model.state_dict()``, for
-        an engine's ``sync_weights`` (:func:`ais_lightning.policy.gather.full_state_dict`).
+        """Full (unsharded) copies of all parameters and buffers, named as in ``model.state_dict()``, for an
+        engine's ``sync_weights`` (:func:`ais_lightning.policy.gather.full_state_dict`).
 
         Sharded models are gathered (a collective: call it on every rank); FSDP1 needs ``fsdp_root``, the
         outermost FSDP1 module around this policy (Lightning: ``trainer.strategy.model``). With ``rank0_only``
         only rank 0 gets the tensors. The tensors never alias the live parameters unless ``snapshot=False``
-        (CPU tensors then passed as they are, for a consumer that copies them at once). Callable inside
-        ``torch.inference_mode``.
+        (tensors already on ``device`` then passed as they are, for a consumer that copies them at once).
+        ``device``: the CPU by default; None keeps them on the policy's device (an engine on the same GPU
+        needs no host round trip). Callable inside ``torch.inference_mode``.
         """
-        return full_state_dict(self.model, rank0_only, fsdp_root, snapshot)
+        return full_state_dict(self.model, rank0_only, fsdp_root, snapshot, device)

@@ -2,9 +2,9 @@
 
 See :mod:`.formats` (FP8/FP4/INT8 and nested-integer rounding), :mod:`.scaling`
 (tensor/channel/token/block/group/MX/NVFP4/E4M3-group scales), :mod:`.recipes` (named recipes),
-:mod:`.linear` (QuantLinear, quantize_model, switch_recipe), :mod:`.cpu_int8` (the integer GEMMs of the int8
-recipe, ``torch._int_mm`` and fbgemm's, and which one is fast on this CPU), :mod:`.experts` (QuantExperts: fused
-mixture-of-experts weights per expert), :mod:`.kv`, and the Bit-by-Bit pieces
+:mod:`.linear` (QuantLinear), :mod:`.cpu_int8` (the integer GEMMs of the int8 recipe, ``torch._int_mm`` and
+fbgemm's, and which one is fast on this CPU), :mod:`.experts` (QuantExperts: fused mixture-of-experts weights per
+expert), :mod:`.model` (quantize_model, check_quantizable, switch_recipe: a whole model), :mod:`.kv`, and the Bit-by-Bit pieces
 (arXiv 2604.07888): :mod:`.nested` (int8 -> int4 -> int2 views of one quantized weight), :mod:`.ocs`
 (rounding-aware outlier channel splitting), :mod:`.schedule` (progressive precision schedule); :mod:`.outliers`
 (outlier input channels kept in high precision, calibrated on activations).
@@ -13,14 +13,12 @@ mixture-of-experts weights per expert), :mod:`.kv`, and the Bit-by-Bit pieces
 from .experts import QuantExperts, fused_experts_unsupported, named_quantized_layers, quantized_layers
 from .formats import FORMATS, NumberFormat, get_format, round_to_float_grid
 from .kv import fake_quantize_kv, kv_amax, kv_scale_from_amax
-from .linear import (
-    BACKENDS,
+from .linear import BACKENDS, QuantLinear, scaled_mm_linear
+from .model import (
     DEFAULT_SKIP,
-    QuantLinear,
     check_quantizable,
     quantize_model,
     refresh_quantized,
-    scaled_mm_linear,
     switch_recipe,
     unquantizable_weights,
 )

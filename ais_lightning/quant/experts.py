@@ -18,7 +18,7 @@ quantized dynamically per token as the dense path does (recipes with a per-tenso
 and nvfp4's second level, take it over the tokens routed to that expert: what a grouped GEMM's per-expert
 problem sees). The router (``mlp.gate``, a 2-D weight, not a linear layer) stays in the model dtype, as in
 vLLM's FP8/FP4 MoE paths. Inference only: the expert weights are views without gradients
-(:func:`quantize_model` refuses fused experts whose weights require grad).
+(:func:`~ais_lightning.quant.model.quantize_model` refuses fused experts whose weights require grad).
 
 The per-expert layers are not registered submodules (their weights are views of the fused parameters, which
 the state dict already holds); :func:`quantized_layers` lists them with every other QuantLinear of a model,

@@ -21,7 +21,9 @@ Backends:
   DeepSeek-V3), which torch only has on Hopper (compute capability 9.x) with CUDA/cuBLASLt >= 12.9
   (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``_check_deepseek_support``; on Blackwell the block-scaled
   FP8 GEMM is MXFP8's, a different recipe), through ``torch.nn.functional.scaled_mm`` with the weight
-  scales in cuBLASLt's padded layout (:func:`blockwise_weight_operands`). :func:`fp8_gemm_requirement`
+  scales in cuBLASLt's padded layout (:func:`blockwise_weight_operands`) and K zero-padded to whole 128-wide
+  blocks (:func:`pad_reduction`: a partial last K block is undocumented). Every form accumulates in FP32
+  (``use_fast_accum=False``), as the emulation does. :func:`fp8_gemm_requirement`
   names what a device lacks.
   Refuses a non-CUDA weight (the CPU kernel exists for tensor/row scales but is slower than emulation).
 
@@ -35,21 +37,21 @@ Recipes with ``ocs_ratio > 0`` (emulate only) split the weight's outlier input c
 refresh (:func:`ais_lightning.quant.ocs.ocs_split`, rounding-aware for the recipe's weight grid) and run
 ``F.linear(x[..., index], W'_q)``: the split activation columns are duplicated, then quantized with the
 recipe's activation scaling on the ``K + S`` columns, as a kernel would see them.
-:meth:`QuantLinear.set_recipe` / :func:`switch_recipe` change the recipe of existing layers in place
+:meth:`QuantLinear.set_recipe` / :func:`~ais_lightning.quant.model.switch_recipe` change the recipe of existing
+layers in place
 (the fp32 master ``weight`` is untouched; the caches are re-derived): a progressive precision schedule
 (:mod:`.schedule`) walks a model from int8 to int4 to int2 with them.
 
 The module keeps ``weight``/``bias`` as ordinary parameters (the same objects as the wrapped
 ``nn.Linear``), so ``state_dict`` keys are unchanged and weight sync by ``load_state_dict`` works. The
-quantized weight is a cache: call :meth:`QuantLinear.refresh` (or :func:`refresh_quantized`) after
+quantized weight is a cache: call :meth:`QuantLinear.refresh` (or
+:func:`~ais_lightning.quant.model.refresh_quantized`) after
 changing the weight. As a safety net, ``forward`` also refreshes when the weight's autograd version
 counter or storage changed (in-place ``copy_``/optimizer steps, ``load_state_dict``); writes through
 ``weight.data`` and in-place writes to inference tensors (no version counter) are invisible to that check.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +79,6 @@ BACKEND_KERNELS = {
     "fp8_gemm": "torch._scaled_mm, an FP8 GEMM",
 }
 """What runs each backend's products (logs and run summaries)."""
-
-DEFAULT_SKIP = ("embed", "lm_head", "norm")
-"""Module-name substrings kept in high precision by :func:`quantize_model` when ``skip=None``."""
 
 FP8_GEMM_RECIPES = ("fp8_tensor", "fp8_channel", "fp8_block")
 """Recipes the ``fp8_gemm`` backend runs (``fp8`` is ``fp8_block``): per-tensor, per-row and blockwise
@@ -145,36 +144,67 @@ def blockwise_weight_operands(weight_fp8: torch.Tensor, block_scale: torch.Tenso
     """``(mat2, scale_b)`` of the blockwise FP8 GEMM (:func:`scaled_mm_linear`) from a weight quantized in
     128x128 blocks.
 
-    ``weight_fp8``: ``[N, K]`` E4M3, row-major; ``block_scale``: ``[ceil(N/128), ceil(K/128)]`` float32,
-    the dequantization scales (``w ~= weight_fp8 * scale`` per block). Returns ``mat2`` = the transpose of
-    a contiguous ``weight_fp8`` (``[K, N]``, column-major; block quantization of a weight whose dims are
-    not multiples of 128 returns a strided slice of its padded blocks) and ``scale_b`` in cuBLASLt's layout:
-    ``[L4, ceil(N/128)]`` with strides ``(1, L4)``, L4 = ceil(K/128) rounded up to a multiple of 4, the padding
-    zeros. cuBLASLt gets only the scales' data pointer and reads them with that leading dimension; torch's
-    ``_scaled_block1x128_block128x128`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp``) checks this layout,
-    while the legacy ``torch._scaled_mm`` took the unpadded one and gave silently wrong products whenever
-    ceil(K/128) % 4 != 0 (PyTorch PR 166752).
+    ``weight_fp8``: ``[N, K]`` E4M3, row-major; ``block_scale``: ``[ceil(N/128), ceil(K/128)]`` float32, the
+    dequantization scales (``w ~= weight_fp8 * scale`` per block). Returns ``mat2``, ``[K', N]`` column-major (the
+    transpose of a contiguous ``[N, K']``), with K zero-padded to K' = ceil(K/128) x 128 (:func:`pad_reduction`),
+    and ``scale_b`` in cuBLASLt's layout: ``[L4, ceil(N/128)]`` with strides ``(1, L4)``, L4 = ceil(K/128) rounded
+    up to a multiple of 4, the padding zeros. cuBLASLt gets only the scales' data pointer and reads them with that
+    leading dimension; torch's ``_scaled_block1x128_block128x128`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp``)
+    checks this layout, while the legacy ``torch._scaled_mm`` took the unpadded one and gave silently wrong
+    products whenever ceil(K/128) % 4 != 0 (PyTorch PR 166752).
     """
     n_blocks, k_blocks = block_scale.shape
     padded = block_scale.new_zeros(n_blocks, _round_up(k_blocks, 4))  # [N/128, L4], row-major
     padded[:, :k_blocks] = block_scale
-    return weight_fp8.contiguous().t(), padded.t()  # [K, N] col-major, [L4, N/128] strides (1, L4)
+    return pad_reduction(weight_fp8).t(), padded.t()  # [K', N] col-major, [L4, N/128] strides (1, L4)
+
+
+def pad_reduction(x2d: torch.Tensor, multiple: int = 128) -> torch.Tensor:
+    """``x2d`` ``[R, K]`` (any dtype, FP8 too) contiguous with K zero-padded to a multiple of ``multiple``.
+
+    The blockwise FP8 GEMM gets only whole 128-wide K blocks: torch checks the scales' shapes with ceil(K/128)
+    (``ScaledBlas.cpp``) but neither torch nor cuBLASLt documents what a partial last K block does. Zero columns
+    add nothing to the product and raise no block's amax, so the padded product is the emulated recipe exactly
+    (whose blocks are zero-padded the same way, ``ais_lightning.quant.scaling``).
+    """
+    rows, k = x2d.shape
+    pad = _round_up(k, multiple) - k
+    if not pad:
+        return x2d.contiguous()
+    out = torch.zeros(rows, k + pad, dtype=x2d.dtype, device=x2d.device)  # [R, K']
+    out[:, :k] = x2d
+    return out
 
 
 def blockwise_activation_operands(x2d: torch.Tensor, fmt: str = "fp8_e4m3") -> tuple:
     """``(mat1, scale_a, rows)`` of a blockwise ``torch._scaled_mm`` for activations ``x2d`` ``[M, K]``.
 
-    Quantized per token in groups of 128 along K (the ``fp8`` recipe's activation scaling). The token
-    dimension is zero-padded to a multiple of 16 (an all-zero row quantizes to zeros); ``rows`` = M, the
-    rows of the output to keep. ``scale_a``: ``[M', ceil(K/128)]`` float32 with strides ``(1, M')``,
-    outer-dim-major as ``is_blockwise_1x128_scaling`` of torch's ``ScaledBlas.cpp`` requires.
+    Quantized per token in groups of 128 along K (the ``fp8`` recipe's activation scaling), K zero-padded to
+    a multiple of 128 (:func:`pad_reduction`, as the weight). The token dimension is zero-padded to a multiple of
+    16 (an all-zero row quantizes to zeros); ``rows`` = M, the rows of the output to keep. ``scale_a``:
+    ``[M', ceil(K/128)]`` float32 with strides ``(1, M')``, outer-dim-major as ``is_blockwise_1x128_scaling`` of
+    torch's ``ScaledBlas.cpp`` requires.
     """
     rows = x2d.shape[0]
     pad = _round_up(max(rows, 1), 16) - rows
     if pad:
         x2d = torch.cat([x2d, x2d.new_zeros(pad, x2d.shape[1])])
-    qx = quantize(x2d, fmt, "group", (1, 128), check_finite=False, name="input")
+    qx = quantize(pad_reduction(x2d), fmt, "group", (1, 128), check_finite=False, name="input")
     return qx.data.contiguous(), outer_dim_major(qx.scale), rows
+
+
+def fp8_gemm_weight_operands(weight: torch.Tensor, recipe: str | QuantRecipe) -> tuple:
+    """``(weight_t, weight_scale)`` of :func:`scaled_mm_linear` for ``weight`` ``[N, K]`` under an ``fp8_gemm``
+    recipe (what :class:`QuantLinear` caches): ``[K, N]`` column-major E4M3 codes and a 0-d (per tensor),
+    ``[1, N]`` (per output channel) or blockwise (:func:`blockwise_weight_operands`: K padded, ``[L4, N/128]``)
+    scale."""
+    r = get_recipe(recipe)
+    if r.weight_scaling == "block":
+        q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
+        return blockwise_weight_operands(q.data, q.scale)
+    q = quantize(weight, r.weight_fmt, r.weight_scaling, name="weight")
+    scale = q.scale.reshape(()) if r.weight_scaling == "tensor" else q.scale.reshape(1, -1)
+    return q.data.t(), scale  # [K, N] column-major view of the row-major [N, K]
 
 
 def scaled_mm_linear(
@@ -210,6 +240,7 @@ def scaled_mm_linear(
             scale_b=weight_scale,  # [L4, N/128], strides (1, L4)
             scale_recipe_b=F.ScalingType.BlockWise128x128,
             output_dtype=torch.bfloat16,
+            use_fast_accum=False,  # FP32 accumulation, as the emulation (Hopper's fast FP8 accumulation is not)
         )  # [M', N]
     else:
         qx = quantize(x2d, fmt, act_scaling, check_finite=False, name="input")
@@ -217,7 +248,9 @@ def scaled_mm_linear(
         scale_a = qx.scale.reshape(()) if act_scaling == "tensor" else qx.scale.reshape(-1, 1)  # [] or [M, 1]
         per_tensor = scale_a.dim() == 0 and weight_scale.dim() == 0
         out_dtype = torch.float32 if per_tensor else torch.bfloat16  # row-wise scaling: bf16 output
-        y = torch._scaled_mm(data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype)
+        y = torch._scaled_mm(
+            data, weight_t, scale_a=scale_a, scale_b=weight_scale, out_dtype=out_dtype, use_fast_accum=False
+        )
     y = y[:rows].to(x.dtype)  # [M, N]
     if bias is not None:
         y = y + bias.to(x.dtype)
@@ -419,15 +452,8 @@ class QuantLinear(nn.Linear):
             self.weight_q_t, self.weight_q_scale = int8_weight_operands(weight)
         elif self.backend == "fbgemm":
             self.weight_fbgemm = fbgemm_weight_operands(weight)
-        elif r.weight_scaling == "block":  # fp8_gemm, blockwise: [K, N] col-major, scale [L4, N/128]
-            q = quantize(weight, r.weight_fmt, "block", r.weight_block, name="weight")
-            self.weight_q_t, self.weight_q_scale = blockwise_weight_operands(q.data, q.scale)
-        else:
-            q = quantize(weight, r.weight_fmt, r.weight_scaling, name="weight")
-            self.weight_q_t = q.data.t()  # [K, N] column-major view of the row-major [N, K]
-            self.weight_q_scale = (
-                q.scale.reshape(()) if r.weight_scaling == "tensor" else q.scale.reshape(1, -1)
-            )
+        else:  # fp8_gemm
+            self.weight_q_t, self.weight_q_scale = fp8_gemm_weight_operands(weight, r)
         self._stamp = self._current_stamp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -508,147 +534,3 @@ class QuantLinear(nn.Linear):
             f", outlier_channels={self.outlier_channels.numel()}" if self.outlier_channels is not None else ""
         )
         return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}{ocs}{out}"
-
-
-def quantize_model(
-    model: nn.Module, recipe: str | QuantRecipe, backend: str = "emulate", skip: Iterable[str] | None = None
-) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`QuantLinear`; returns ``model``.
-
-    ``skip``: module-name substrings to keep in high precision; None means :data:`DEFAULT_SKIP`
-    (embeddings, ``lm_head`` and norms, the usual FP8 rollout practice, e.g. FP8-RL arXiv 2601.18150);
-    ``[]`` quantizes every linear. Layers that are already QuantLinear are left alone.
-
-    Fused mixture-of-experts modules (3-D ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, e.g. Qwen3-MoE's
-    experts) are replaced by :class:`~ais_lightning.quant.experts.QuantExperts` (each expert's matrices as
-    QuantLinear layers; inference only: their weights must not require grad). Other matrix weights that are not
-    ``nn.Linear`` layers (GPT-2's ``Conv1D``, experts of another layout) cannot be quantized here; rather than
-    leave them silently in high precision, a model with any outside ``skip`` raises ValueError naming one (and
-    changes nothing).
-    """
-    if isinstance(skip, str):
-        raise ValueError(f"skip must be a list of name substrings, not a single string {skip!r}")
-    skip = DEFAULT_SKIP if skip is None else tuple(skip)
-    recipe = get_recipe(recipe)
-    if isinstance(model, nn.Linear):
-        raise ValueError("model is itself an nn.Linear; use QuantLinear.from_linear for a single layer")
-    check_quantizable(model, recipe, skip)
-    targets = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and not isinstance(module, QuantLinear)
-        and not any(s in name for s in skip)
-    ]
-    from .experts import QuantExperts, fused_experts_unsupported, is_fused_experts
-
-    experts = [
-        name
-        for name, module in model.named_modules()
-        if name
-        and is_fused_experts(module)
-        and fused_experts_unsupported(module) is None
-        and not any(s in name for s in skip)
-    ]
-    for name in experts:
-        module = model.get_submodule(name)
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            raise ValueError(
-                f"quantize_model: the fused experts {name} ({type(module).__name__}) require grad; quantized experts "
-                "(QuantExperts) are for inference only (rollout engines): call model.requires_grad_(False) first. "
-                "A mixture-of-experts trainer cannot run an aligned (QaRL) quantized forward"
-            )
-    for name in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear.from_linear(getattr(parent, child), recipe, backend))
-    for name in experts:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantExperts(getattr(parent, child), recipe, backend))
-    return model
-
-
-def unquantizable_weights(model: nn.Module, skip: Iterable[str] = ()) -> list[tuple[str, torch.Size]]:
-    """``(name, shape)`` of matrix weights in ``model`` that :func:`quantize_model` cannot quantize.
-
-    Weights of Hugging Face ``Conv1D`` layers (GPT-2's linears, ``[in, out]``) and parameters of three or
-    more dimensions outside ``nn.Linear``, torch convolution layers and the fused experts
-    :class:`~ais_lightning.quant.experts.QuantExperts` runs (fused expert weights of another layout), except where
-    the module or parameter name contains a ``skip`` substring.
-    """
-    from .experts import QuantExperts, fused_experts_unsupported, is_fused_experts
-
-    found = []
-    for module_name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd, QuantExperts)) or any(
-            s in module_name for s in skip
-        ):
-            continue  # torch convolutions (e.g. a Mamba mixer's conv1d) are not matrix weights
-        if is_fused_experts(module) and fused_experts_unsupported(module) is None:
-            continue  # quantize_model replaces it by QuantExperts
-        for param_name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if any(s in full for s in skip):
-                continue
-            conv1d = type(module).__name__ == "Conv1D" and param_name == "weight"
-            if conv1d or param.dim() >= 3:
-                found.append((full, param.shape))
-    return found
-
-
-def check_quantizable(model: nn.Module, recipe: str | QuantRecipe, skip: Iterable[str] | None = None) -> None:
-    """ValueError naming a matrix weight of ``model`` that :func:`quantize_model` would leave in high
-    precision (:func:`unquantizable_weights`; ``skip`` as in :func:`quantize_model`)."""
-    left = unquantizable_weights(model, DEFAULT_SKIP if skip is None else tuple(skip))
-    if left:
-        name, shape = left[0]
-        raise ValueError(
-            f"quantize_model quantizes nn.Linear layers; {len(left)} matrix weights of {type(model).__name__} are "
-            f"not, e.g. {name} {list(shape)}, and would stay in high precision under recipe "
-            f"{get_recipe(recipe).name!r}. Pass skip= with their names to keep them in high precision knowingly; "
-            "quantized rollouts of such models (GPT-2's Conv1D, mixture-of-experts blocks of another layout) run "
-            "in vLLM (engine 'vllm')"
-        )
-
-
-def refresh_quantized(model: nn.Module) -> int:
-    """Call :meth:`QuantLinear.refresh` on every QuantLinear in ``model`` (those of quantized experts too); returns
-    how many were refreshed."""
-    from .experts import quantized_layers
-
-    layers = quantized_layers(model)
-    for layer in layers:
-        layer.refresh()
-    return len(layers)
-
-
-def switch_recipe(
-    model: nn.Module,
-    recipe: str | QuantRecipe,
-    backend: str | None = None,
-    names: Iterable[str] | None = None,
-) -> int:
-    """Switch the :class:`QuantLinear` layers of ``model`` to ``recipe`` in place; returns how many.
-
-    The fp32 master weights (``weight``/``bias`` Parameters, the state dict, optimizer state) are
-    untouched; only the quantized caches are re-derived, so a trainer can lower the precision mid-run
-    (:class:`ais_lightning.quant.schedule.PrecisionSchedule`). ``backend``: None keeps each layer's.
-    ``names``: module-name substrings selecting the layers to switch (None = all), e.g. one decoder
-    block at a time. Every layer is checked before any is switched: an incompatible recipe/backend
-    raises ValueError and leaves the model unchanged.
-    """
-    if isinstance(names, str):
-        raise ValueError(f"names must be a list of name substrings, not a single string {names!r}")
-    recipe = get_recipe(recipe)
-    selected = tuple(names) if names is not None else None
-    from .experts import named_quantized_layers
-
-    layers = [
-        m for n, m in named_quantized_layers(model) if selected is None or any(s in n for s in selected)
-    ]
-    for layer in layers:
-        layer._check_backend(recipe, layer.backend if backend is None else backend)
-    for layer in layers:
-        layer.set_recipe(recipe, backend)
-    return len(layers)

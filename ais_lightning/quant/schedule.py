@@ -5,7 +5,7 @@ Bit-by-Bit (Xu et al., ACL 2026, arXiv 2604.07888) trains "stage by stage", redu
 before; its nested grids make the 8-bit model's top bits a sensible 4-bit starting point. Here a
 schedule is a pure map from the optimizer step to a :class:`QuantRecipe`, plus :meth:`PrecisionSchedule.apply`,
 which switches a quantized model's :class:`QuantLinear` layers when the stage changes (fp32 master
-weights untouched, :func:`ais_lightning.quant.linear.switch_recipe`). The paper's schedule is "block-wise";
+weights untouched, :func:`ais_lightning.quant.model.switch_recipe`). The paper's schedule is "block-wise";
 its exact form is not available to us: a schedule here acts on every layer, or on the layers whose name
 contains one of ``names`` (e.g. ``"layers.0."``), so a trainer can lower one decoder block at a time
 with one schedule per block.
@@ -19,7 +19,8 @@ from torch import nn
 
 from ais_lightning.checks import check_int
 
-from .linear import QuantLinear, switch_recipe
+from .linear import QuantLinear
+from .model import switch_recipe
 from .recipes import QuantRecipe, get_recipe, nested_int_recipe
 
 

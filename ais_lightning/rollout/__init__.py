@@ -1,41 +1,72 @@
-"""Rollout engines: the RolloutEngine base class, the torch, vLLM and TE engines, the engine factory.
+"""Rollout engines: the RolloutEngine base class, the torch, vLLM, Transformer Engine and LLaDA engines, the registry.
 
-``VLLMRolloutEngine`` is exported lazily: ``from ais_lightning.rollout import VLLMRolloutEngine``
-imports ``ais_lightning.rollout.vllm_engine`` on first access (module ``__getattr__``, PEP 562), and
-vLLM itself only when an engine is constructed. ``TERolloutEngine`` imports Transformer Engine only
-when constructed. Importing this package imports neither. Build engines by name with
-:func:`build_engine`; check their arguments before any model exists with ``EngineClass.check_args``
-or :func:`validate_engine_config`.
+Importing this package imports neither vLLM nor Transformer Engine: each engine imports its package only when
+it is constructed. Build engines by name with :func:`build_engine`; check their arguments before any model exists
+with ``EngineClass.check_args`` or :func:`validate_engine_config`; an engine to build later from a model is an
+:class:`EngineSpec`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torch import nn
+
+from ais_lightning.checks import registered
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
-from ais_lightning.rollout.factory import (
-    ENGINES,
-    EngineSpec,
-    build_engine,
-    engine_class,
-    engine_class_of,
-    engine_precisions,
-    validate_engine_config,
-)
+from ais_lightning.rollout.diffusion_engine import DiffusionRolloutEngine
+from ais_lightning.rollout.factory import EngineSpec, engine_class_of
 from ais_lightning.rollout.sampling import sample_next, sampling_logprobs, truncation_mask
 from ais_lightning.rollout.te_engine import TERolloutEngine
 from ais_lightning.rollout.torch_engine import PRECISIONS, TorchRolloutEngine
+from ais_lightning.rollout.vllm_engine import VLLMRolloutEngine
 
-if TYPE_CHECKING:
-    from ais_lightning.rollout.vllm_engine import VLLMRolloutEngine
+ENGINES: dict[str, type[RolloutEngine]] = {
+    "torch": TorchRolloutEngine,
+    "vllm": VLLMRolloutEngine,
+    "te": TERolloutEngine,
+    "diffusion": DiffusionRolloutEngine,
+}
+"""The registry of rollout engines: config name -> class (:func:`build_engine`; ``ais-train`` generates the schema
+``schema/rollout/<name>`` of each; docs/design.md, "Adding an engine")."""
 
-_LAZY = {"VLLMRolloutEngine": "ais_lightning.rollout.vllm_engine"}
-"""Exported names whose module is imported on first access."""
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class registered as ``name``; ValueError if unknown."""
+    return registered(ENGINES, name, "rollout engine")
+
+
+def engine_precisions(name: str) -> tuple[str, ...]:
+    """Precisions engine ``name`` accepts (its class's ``PRECISIONS``; ValueError for an unknown engine)."""
+    return tuple(engine_class(name).PRECISIONS)
+
+
+def validate_engine_config(name: str, precision: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Raise ValueError now for a config that cannot build an engine later; return the checked arguments.
+
+    ``name`` must be a known engine; ``precision`` (None: the engine's default) and ``kwargs`` are the
+    engine's constructor arguments, checked by its ``check_args``: values it does not run, unknown
+    argument names, and a package (vLLM, Transformer Engine) or device (CUDA for ``te``) it needs
+    but this machine lacks, with the pip extra to install.
+    """
+    if precision is not None:
+        kwargs = {**kwargs, "precision": precision}
+    return engine_class(name).check_args(**kwargs)
+
+
+def build_engine(name: str, model: nn.Module, **kwargs: Any) -> RolloutEngine:
+    """Validate and construct engine ``name`` (``torch`` | ``vllm`` | ``te`` | ``diffusion``).
+
+    ``kwargs`` go to the engine's constructor (e.g. ``precision``, ``kv_cache_dtype``).
+    """
+    validate_engine_config(name, **kwargs)
+    return engine_class(name)(model, **kwargs)
+
 
 __all__ = [
     "ENGINES",
     "PRECISIONS",
+    "DiffusionRolloutEngine",
     "EngineSpec",
     "RolloutBatch",
     "RolloutEngine",
@@ -52,15 +83,3 @@ __all__ = [
     "truncation_mask",
     "validate_engine_config",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

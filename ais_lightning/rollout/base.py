@@ -142,6 +142,8 @@ class RolloutEngine(abc.ABC):
       ``policy.router_replay`` replays.
     - :attr:`SUPPORTS_SET_PRECISION` [False]: :meth:`set_precision` switches the precision in place (a
       progressive ``policy.aligned_schedule`` needs it).
+    - :attr:`RESERVES_TRAINER_MEMORY` [False]: the engine claims a share of the device memory free when it starts,
+      and its constructor takes ``reserve_bytes``, the memory to leave for what the trainer allocates later.
     - :meth:`check_args` [returns the arguments as given] and :meth:`check_model` [checks nothing]: validation
       before any engine is built, from the constructor's arguments and from the model.
     - :attr:`precision` [None: not declared] and :attr:`model_impl` [None]: what a built engine runs, for the
@@ -193,6 +195,10 @@ class RolloutEngine(abc.ABC):
     SUPPORTS_SET_PRECISION: ClassVar[bool] = False
     """Whether :meth:`set_precision` switches the precision in place (a subclass that sets it overrides the
     method)."""
+    RESERVES_TRAINER_MEMORY: ClassVar[bool] = False
+    """Whether the engine takes a share of the device memory free when it starts (vLLM) and its constructor accepts
+    ``reserve_bytes``: device memory to leave free for what the trainer allocates after the engine starts (its
+    gradients and optimizer states; ``GRPOModule`` adds them, ``ais_lightning.modules.trainer_memory``)."""
 
     precision: str | None = None
     """The precision the engine runs (one of :attr:`PRECISIONS`); None: not declared."""

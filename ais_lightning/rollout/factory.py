@@ -1,70 +1,18 @@
-"""Build rollout engines by name, and validate an engine config before any model is built.
+"""Engine factories: an engine to build later from a model.
 
 Every engine class validates its own arguments in one classmethod, ``check_args(**kwargs)``
 (:meth:`TorchRolloutEngine.check_args`, :meth:`VLLMRolloutEngine.check_args`,
-:meth:`TERolloutEngine.check_args`), which its constructor calls too. This module only maps names
-to classes: :func:`engine_class` imports an engine's module lazily (importing this module never
-imports vLLM or Transformer Engine, and importing an engine module does not either), and
-:func:`validate_engine_config` / :func:`build_engine` are thin users of ``check_args``.
-
-An engine to build later from a model is an :class:`EngineSpec` (an engine class and its arguments, checked
-once); :func:`engine_class_of` reads the class and arguments of any engine factory that shows them.
+:meth:`TERolloutEngine.check_args`), which its constructor calls too. An :class:`EngineSpec` is an engine class
+and its arguments, checked once; :func:`engine_class_of` reads the class and arguments of any engine factory that
+shows them. The engines by name: ``ais_lightning.rollout.ENGINES``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
-from torch import nn
-
 from ais_lightning.rollout.base import RolloutEngine
-
-ENGINES = ("torch", "vllm", "te", "diffusion")
-"""Engine names ``build_engine`` knows."""
-
-_ENGINE_CLASSES = {
-    "torch": ("ais_lightning.rollout.torch_engine", "TorchRolloutEngine"),
-    "vllm": ("ais_lightning.rollout.vllm_engine", "VLLMRolloutEngine"),
-    "te": ("ais_lightning.rollout.te_engine", "TERolloutEngine"),
-    "diffusion": ("ais_lightning.rollout.diffusion_engine", "DiffusionRolloutEngine"),
-}
-
-
-def engine_class(name: str) -> type:
-    """The engine class registered as ``name`` (its module imported on first use); ValueError if unknown."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; known: {list(ENGINES)}")
-    module_name, class_name = _ENGINE_CLASSES[name]
-    return getattr(importlib.import_module(module_name), class_name)
-
-
-def engine_precisions(name: str) -> tuple[str, ...]:
-    """Precisions engine ``name`` accepts (its class's ``PRECISIONS``; ValueError for an unknown engine)."""
-    return tuple(engine_class(name).PRECISIONS)
-
-
-def validate_engine_config(name: str, precision: str | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Raise ValueError now for a config that cannot build an engine later; return the checked arguments.
-
-    ``name`` must be a known engine; ``precision`` (None: the engine's default) and ``kwargs`` are the
-    engine's constructor arguments, checked by its ``check_args``: values it does not run, unknown
-    argument names, and a package (vLLM, Transformer Engine) or device (CUDA for ``te``) it needs
-    but this machine lacks, with the pip extra to install.
-    """
-    if precision is not None:
-        kwargs = {**kwargs, "precision": precision}
-    return engine_class(name).check_args(**kwargs)
-
-
-def build_engine(name: str, model: nn.Module, **kwargs: Any) -> RolloutEngine:
-    """Validate, lazily import and construct engine ``name`` (``torch`` | ``vllm`` | ``te``).
-
-    ``kwargs`` go to the engine's constructor (e.g. ``precision``, ``kv_cache_dtype``).
-    """
-    validate_engine_config(name, **kwargs)
-    return engine_class(name)(model, **kwargs)
 
 
 class EngineSpec(functools.partial):
@@ -167,3 +115,16 @@ def engine_class_of(factory: Any) -> tuple[type[RolloutEngine], dict[str, Any]] 
     if isinstance(func, type) and issubclass(func, RolloutEngine):
         return func, arguments
     return None
+
+
+def same_engine(a: Any, b: Any) -> bool:
+    """Whether two engine factories build the same engine: the same object, or the same engine class with the same
+    arguments after its ``check_args`` (:meth:`EngineSpec.same_engine_as`; an ``EngineSpec``'s checked arguments are
+    the ones it was made with, a ``functools.partial``'s are checked now)."""
+    if a is b:
+        return True
+    try:
+        spec_a, spec_b = EngineSpec.of(a), EngineSpec.of(b)
+    except (TypeError, ValueError):
+        return False
+    return spec_a is not None and spec_b is not None and spec_a.same_engine_as(spec_b)

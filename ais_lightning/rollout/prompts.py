@@ -12,6 +12,7 @@ prompt of length ``L`` sits at position ``L + t``.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 from ais_lightning.ops import pad_sequences
+
+log = logging.getLogger(__name__)
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 """Model config attributes that give the context length, in the order they are read."""
@@ -106,6 +109,32 @@ def fit_context(
         )
     cut = sum(len(p) > keep for p in prompts)
     return ([p[-keep:] if len(p) > keep else p for p in prompts], cut) if cut else (prompts, 0)
+
+
+class PromptEncoder:
+    """A policy's token ids of text prompts, fitted to its model's context with ``max_new_tokens``
+    (:func:`fit_context`: refused naming the lengths, or cut with ``truncate``, one WARNING the first time)."""
+
+    def __init__(self, policy: Any, max_new_tokens: int, truncate: bool = False) -> None:
+        self.policy, self.max_new_tokens, self.truncate = policy, max_new_tokens, truncate
+        self.warned = False
+
+    def __call__(self, prompts: list[str]) -> list[list[int]]:
+        context = context_length(self.policy.model)
+        ids, cut = fit_context(
+            self.policy.encode_prompts(prompts), self.max_new_tokens, context, self.truncate
+        )
+        if cut and not self.warned:
+            self.warned = True
+            log.warning(
+                "algorithm.truncate_prompts: %d of %d prompts were longer than the model's context (%s) less "
+                "max_new_tokens=%d and were cut to their last tokens (this warning is logged once)",
+                cut,
+                len(ids),
+                context,
+                self.max_new_tokens,
+            )
+        return ids
 
 
 def check_generate_args(

@@ -8,7 +8,8 @@ Recipes: every one computes its scales *from the tensor being quantized, at ever
 hold under ``torch.inference_mode`` and follow each weight sync:
 
 - ``"current"``: ``Float8CurrentScaling``, one scale per tensor from its current amax (compute
-  capability >= 8.9: Ada, Hopper, Blackwell).
+  capability >= 8.9: Ada, Hopper, Blackwell), with FP32 accumulation in the forward GEMM (TE's default for
+  this recipe is the fast FP8 accumulation; :func:`make_te_recipe`).
 - ``"block"``: ``Float8BlockScaling`` with 1x128 activation groups and 128x128 weight blocks: the
   blockwise ``fp8`` recipe that the torch engine emulates (DeepSeek-V3, arXiv 2412.19437; FP8-RL, arXiv
   2601.18150). TE rounds these scales to powers of 2 by default; the engine sets FP32 scales
@@ -96,16 +97,29 @@ def import_transformer_engine() -> Any:
 def make_te_recipe(recipe: str, fp8_format: str) -> Any:
     """The Transformer Engine recipe object for ``recipe`` (``current`` | ``block`` | ``mxfp8``).
 
+    Every recipe's forward GEMM accumulates in full FP32 (``fp8_gemm_fprop = MMParams(use_split_accumulator=True)``,
+    which turns cuBLASLt's ``CUBLASLT_MATMUL_DESC_FAST_ACCUM`` off: TE ``common/gemm/cublaslt_gemm.cu``), as the
+    emulated recipes and the ``fp8_gemm`` backend do. TE's ``Float8CurrentScaling`` defaults to
+    ``fp8_gemm_fprop = MMParams(use_split_accumulator=False)``, Hopper's fast FP8 accumulation, which keeps fewer
+    bits of the running sum (DeepSeek-V3, arXiv 2412.19437 section 3.3.2: errors near 2% at K = 4096), so the
+    TE engine's mismatch would exceed what the emulation predicts. ``MXFP8BlockScaling`` has no such field and
+    TE's linear then uses ``_2X_ACC_FPROP = False`` (``pytorch/module/base.py``, ``module/linear.py``); the engine
+    sets the field on it too. ``Float8BlockScaling`` requires the split accumulator already. Read at TE 2.9 and
+    2.20.0.dev0 (``common/recipe/__init__.py``).
+
     ``block`` gets FP32 scales (``power_2_scale=False``) for activations and weights, TE's default being
     power-of-2 scales (``Float8BlockScaling.use_f32_scales``); our emulated ``fp8`` recipe uses
     ``amax / 448``.
     """
     module = importlib.import_module("transformer_engine.common.recipe")
     fmt = getattr(module.Format, fp8_format)
+    fp32_accumulation = module.MMParams(use_split_accumulator=True)
     if recipe == "current":
-        return module.Float8CurrentScaling(fp8_format=fmt)
+        return module.Float8CurrentScaling(fp8_format=fmt, fp8_gemm_fprop=fp32_accumulation)
     if recipe == "mxfp8":
-        return module.MXFP8BlockScaling(fp8_format=fmt)
+        built = module.MXFP8BlockScaling(fp8_format=fmt)
+        built.fp8_gemm_fprop = fp32_accumulation  # read by te.Linear's forward when the recipe has it
+        return built
     built = module.Float8BlockScaling(fp8_format=fmt)
     fp32 = module.QParams(power_2_scale=False, amax_epsilon=0.0)
     built.fp8_quant_fwd_inp = fp32  # read per quantizer by Float8BlockScalingRecipeState.make_quantizers

@@ -252,7 +252,7 @@ class TorchRolloutEngine(RolloutEngine):
             every prefill; each weight sync picks the channels from what the prefills since the previous sync
             saw. None: 0.1 for int8, 0.05 for fp8 (real LLMs' outlier features break both otherwise), 0 for the other
             precisions (:data:`DEFAULT_OUTLIER_FRACTION`). Ignored at fp32/bf16/fp16.
-        head_dtype: the precision of ``lm_head``'s projection (never quantized: :data:`ais_lightning.quant.linear.DEFAULT_SKIP`).
+        head_dtype: the precision of ``lm_head``'s projection (never quantized: :data:`ais_lightning.quant.model.DEFAULT_SKIP`).
             None / ``"auto"`` / ``"model"``: the engine's model dtype (fp32 for an fp32 model at fp32 or a quantized
             precision, bf16 / fp16 at ``bf16`` / ``fp16``: the behaviour before this option); ``"float32"``: fp32
             logits from the model-dtype hidden states and weights (:class:`ais_lightning.models.head.Float32Head`;
@@ -626,6 +626,9 @@ class TorchRolloutEngine(RolloutEngine):
     def _generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, uniforms: torch.Tensor | None = None
     ) -> RolloutBatch:
+        # One piece on purpose: the prefill and the decode loop share the running state (the rows still alive, their
+        # original rows after a compaction, the decoder's cache, the routing being recorded) step by step; split,
+        # every piece would take and return all of it.
         dev, n = self.device, sampling.n
         gen = make_generator(sampling.seed, dev)
         noise = uniforms.to(dev) if uniforms is not None else None  # [B, >= N], indexed by original row
@@ -640,17 +643,9 @@ class TorchRolloutEngine(RolloutEngine):
         capture = recorder.capture if recorder is not None else contextlib.nullcontext
         with self.outliers.observe() if self.outliers is not None else contextlib.nullcontext(), capture():
             logits = decoder.prefill(prompt_ids, prompt_mask, n, new)  # [B, V]
-        routing = None
-        if recorder is not None:  # [B, P + N, L, k]: the prompt's routing fanned out to its n rows
-            router = recorder.routers[0]
-            plen = prompt_ids.shape[1]
-            routing = torch.zeros(
-                (batch, plen + new, len(recorder.routers), router.top_k),
-                dtype=routing_dtype(router.num_experts),
-                device=dev,
-            )
-            prompt_routing = recorder.take().view(bp, plen, *routing.shape[2:])  # [Bp, P, L, k]
-            routing[:, :plen] = prompt_routing.repeat_interleave(n, dim=0).to(routing.dtype)
+        routing = (
+            None if recorder is None else _routing_buffer(recorder, bp, prompt_ids.shape[1], n, new, dev)
+        )
 
         out_ids = torch.full((batch, new), self.pad_token_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((batch, new), dtype=torch.float32, device=dev)
@@ -705,3 +700,20 @@ class TorchRolloutEngine(RolloutEngine):
             extras={"uniforms": uniforms} if uniforms is not None else {},
             routing=routing[:, : prompt_ids.shape[1] + steps] if routing is not None else None,
         )
+
+
+def _routing_buffer(
+    recorder: RoutingRecorder, prompts: int, plen: int, n: int, new: int, device: torch.device
+) -> torch.Tensor:
+    """The routing record of a batch, ``[B, P + N, L, k]`` (``B = prompts * n``): the prompts' routing, which the
+    prefill just recorded, fanned out to their ``n`` rows; the responses' positions are written as they are
+    decoded."""
+    router = recorder.routers[0]
+    routing = torch.zeros(
+        (prompts * n, plen + new, len(recorder.routers), router.top_k),
+        dtype=routing_dtype(router.num_experts),
+        device=device,
+    )
+    prompt_routing = recorder.take().view(prompts, plen, *routing.shape[2:])  # [Bp, P, L, k]
+    routing[:, :plen] = prompt_routing.repeat_interleave(n, dim=0).to(routing.dtype)
+    return routing

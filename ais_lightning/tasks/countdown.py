@@ -33,7 +33,7 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ais_lightning.tasks.answers import answer_tag, clean_expression
 from ais_lightning.tasks.base import (
@@ -44,7 +44,6 @@ from ais_lightning.tasks.base import (
     evaluate_expression,
     expression_numbers,
     parse_expression,
-    register_task,
 )
 
 _PROMPT_RE = re.compile(r"^(\d+(?: \d+)*)>(\d+):$")
@@ -138,10 +137,12 @@ def countdown_score(completion: str, numbers: list[int], target: int, format_sco
     return expression_score(answer_tag(completion), numbers, target, format_score)
 
 
-@register_task("countdown")
 @dataclass
 class Countdown(Task):
     """Prompt ``"3 5 2>16:"``, solution ``"<answer>(3+5)*2</answer>"`` (found by exhaustive search)."""
+
+    name: ClassVar[str] = "countdown"
+    """Its name in the registry (``TASKS``) and in messages."""
 
     num_numbers: int = 3
     """How many numbers are given (2..5; the search is exhaustive)."""

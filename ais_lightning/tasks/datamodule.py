@@ -175,6 +175,17 @@ class PromptStream:
             self._batch += 1  # counted before yielding: state_dict() during the step includes this batch
             yield out
 
+    def upcoming(self, n: int) -> list[dict[str, list[Any]]]:
+        """The ``n`` batches after those yielded so far, without moving the position (a pure function of the state):
+        an asynchronous run's rollout workers generate for the next steps' prompts ahead of them."""
+        out, epoch, batch = [], self._epoch, self._batch
+        for _ in range(n):
+            if batch >= self._len:
+                epoch, batch = epoch + 1, 0
+            out.append(self.batch(epoch, batch))
+            batch += 1
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "batch": self._batch, "seed": self.seed, "size": self.size}
 

@@ -3,8 +3,12 @@
 The file is jsonl (or parquet) with ``"question"`` and ``"answer"`` fields, as in GSM8K (Cobbe et
 al. 2021, arXiv 2110.14168): the answer is worked reasoning ending in ``"#### <number>"``. The gold
 answer is the text after the last ``"####"``; the reference solution is the answer with GSM8K's
-calculator annotations ``<<48/2=24>>`` removed. Text is mapped to printable ASCII for the built-in
-tokenizer.
+calculator annotations ``<<48/2=24>>`` removed. A file that cannot be graded is refused naming the file
+and the row: an answer without ``####`` or with nothing after it, the same question twice with different
+gold answers. Text is kept as written unless the policy's tokenizer cannot encode some of its characters
+(:meth:`GSM8K.fit_text`): those are mapped (``é`` -> ``e``) with a warning that counts the rows changed, and
+rows the mapping makes ungradable (a question with no letter or digit left, two questions made one) are
+refused.
 
 The reward accepts the final answer as ``\\boxed{...}``, ``<answer>...</answer>`` or ``#### ...``
 (checked in that order, last occurrence of the first format present); numbers are compared
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,13 +42,13 @@ from ais_lightning.tasks.base import (
     TaskSample,
     check_aligned,
     check_format,
-    register_task,
-    to_ascii,
+    map_characters,
 )
 
-__all__ = ["GSM8K", "extract_answer", "gold_answer", "load_rows", "normalize_answer"]
+__all__ = ["GSM8K", "check_gradable", "extract_answer", "gold_answer", "load_rows", "normalize_answer"]
 
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
+log = logging.getLogger(__name__)
 
 
 def extract_answer(completion: str) -> str | None:
@@ -57,6 +63,34 @@ def gold_answer(answer: str) -> str:
     if "####" not in answer:
         raise ValueError(f"GSM8K answer has no '####' final answer: {answer[-80:]!r}")
     return answer.rsplit("####", 1)[1].strip()
+
+
+def check_gradable(rows: list[tuple[str, str]], path: str | Path, when: str = "") -> None:
+    """ValueError naming ``path`` and the row unless every ``(question, answer)`` can be graded: its answer
+    ends in ``#### <gold>`` with a gold answer that is not empty (an empty one pays an empty response), and no
+    question comes twice with different gold answers (a completion cannot be right for both). ``when`` is
+    said after the rows (``"once mapped"``)."""
+    first_gold: dict[str, tuple[int, str]] = {}
+    when = f" {when}" if when else ""
+    for i, (question, answer) in enumerate(rows):
+        if "####" not in answer:
+            raise ValueError(
+                f"gsm8k file {path} row {i}{when}: the answer has no '####' final answer: {answer[-80:]!r}"
+            )
+        gold = gold_answer(answer)
+        if normalize_answer(gold) == "":  # nothing (or only "$", ",", "%") to compare with
+            raise ValueError(
+                f"gsm8k file {path} row {i}{when}: the gold answer after '####' is empty ({answer[-80:]!r}): an "
+                "empty response would be graded right"
+            )
+        key = question.strip()
+        if key in first_gold and normalize_answer(first_gold[key][1]) != normalize_answer(gold):
+            j, other = first_gold[key]
+            raise ValueError(
+                f"gsm8k file {path} rows {j} and {i}{when} ask the same question {key[:80]!r} with different gold "
+                f"answers ({other!r}, {gold!r}): a completion cannot be graded against both"
+            )
+        first_gold.setdefault(key, (i, gold))
 
 
 MAX_LINE_BYTES = 1 << 20
@@ -167,6 +201,8 @@ def load_rows(
         raise ValueError(
             f"gsm8k file {path} is empty (expected a parquet table with 'question' and 'answer')"
         )
+    if kind == "parquet":
+        _check_parquet_rows(path)
     rows = _read_json_rows(path, max_line_bytes) if kind == "json" else None
     if use_datasets is None:
         use_datasets = importlib.util.find_spec("datasets") is not None
@@ -183,13 +219,50 @@ def load_rows(
 
         return pq.read_table(path).to_pylist()
     except Exception as err:  # datasets / pyarrow errors (ArrowInvalid, DatasetGenerationError, ...)
+        cache = _cache_write_error(err, path) if use_datasets else None
+        if cache is not None:
+            raise ValueError(
+                f"gsm8k file {path}: the datasets library could not write its cache ({cache.filename}: "
+                f"{cache.strerror}); set task.cache_dir to a writable directory, or task.use_datasets=false to "
+                "read the file without datasets"
+            ) from err
         raise ValueError(f"gsm8k file {path} could not be read: {type(err).__name__}: {err}") from err
 
 
-@register_task("gsm8k")
+def _check_parquet_rows(path: Path) -> None:
+    """ValueError naming the file when a parquet table has no rows (``datasets`` reported a bare
+    "DatasetGenerationError") or is not a parquet file; nothing when ``pyarrow`` is missing."""
+    if importlib.util.find_spec("pyarrow") is None:
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except Exception as err:  # ArrowInvalid and kin: not a parquet file
+        raise ValueError(f"gsm8k file {path} could not be read: {type(err).__name__}: {err}") from err
+    if rows == 0:
+        raise ValueError(
+            f"gsm8k file {path} is a parquet table with no rows (expected 'question' and 'answer')"
+        )
+
+
+def _cache_write_error(err: BaseException, path: Path) -> OSError | None:
+    """The ``OSError`` behind ``err`` about a file other than the data file ``path`` (datasets' cache, under
+    ``task.cache_dir`` or ``$HF_HOME``, e.g. a read-only home), else None."""
+    from ais_lightning.files import find_cause
+
+    def about_another_file(e: BaseException) -> bool:
+        return isinstance(e, OSError) and e.filename is not None and Path(e.filename) != path
+
+    return find_cause(err, about_another_file)  # type: ignore[return-value]
+
+
 @dataclass
 class GSM8K(Task):
     """Word problems from a local GSM8K-format file; reward 1 if the final answer matches the gold number."""
+
+    name: ClassVar[str] = "gsm8k"
+    """Its name in the registry (``TASKS``) and in messages."""
 
     path: str = ""
     """Local ``.jsonl``/``.json``/``.parquet`` file with ``question`` and ``answer`` fields."""
@@ -249,22 +322,72 @@ class GSM8K(Task):
             check_row_size(Path(self.path), f"row {i}", size, self.max_line_bytes)  # parquet rows
             self._source.append((row["question"], row["answer"]))
         if not self._source:
-            raise ValueError(f"{self.path} has no rows")
+            raise ValueError(
+                f"gsm8k file {self.path} has no rows (expected rows with 'question' and 'answer' fields)"
+            )
+        check_gradable(self._source, self.path)
+        self._mapped: set[int] = set()  # rows whose text fit_text mapped to the tokenizer's characters
+        self._keep: Callable[[str], bool] | None = None
         self._build_rows()
 
     def _build_rows(self) -> None:
-        """``rows`` (and the prompt -> gold lookup) in the task's current format."""
+        """``rows`` (and the prompt -> gold lookup) in the task's current format, the rows :meth:`fit_text`
+        mapped in the tokenizer's characters."""
         template = self.prompt_template or (self.CHAT_TEMPLATE if self.chat_format else self.BARE_TEMPLATE)
         self.rows = []
-        for question, answer in self._source:
-            gold = to_ascii(gold_answer(answer))
+        for i, (question, answer) in enumerate(self._source):
             solution = _CALCULATOR_RE.sub("", answer) if self.strip_calculator else answer
             if self.chat_format:  # the worked reasoning, then the gold answer in a box instead of "#### gold"
                 reasoning = solution.rsplit("####", 1)[0].strip()
                 solution = f"{reasoning}\nThe answer is \\boxed{{{gold_answer(answer)}}}."
-            prompt = to_ascii(template.format(question=question.strip()))
-            self.rows.append({"prompt": prompt, "solution": to_ascii(solution.strip()), "answer": gold})
+            row = {
+                "prompt": template.format(question=question.strip()),
+                "solution": solution.strip(),
+                "answer": gold_answer(answer),
+            }
+            if i in self._mapped and self._keep is not None:
+                row = {key: map_characters(text, self._keep) for key, text in row.items()}
+            self.rows.append(row)
         self._gold_by_prompt = {row["prompt"]: row["answer"] for row in self.rows}
+
+    def fit_text(self, keep: Callable[[str], bool]) -> None:
+        """Map the rows holding characters the policy's tokenizer cannot encode (``keep(ch)`` False) with
+        :func:`~ais_lightning.tasks.base.map_characters`, warning with the count and an example; ValueError
+        naming the file and rows when the mapping leaves a question without a letter or digit, or makes two
+        questions with different gold answers one. A file the tokenizer encodes whole is kept as written."""
+        foreign = sorted({ch for pair in self._source for text in pair for ch in text if not keep(ch)})
+        if not foreign:
+            return
+        self._mapped = {
+            i for i, pair in enumerate(self._source) if any(ch in foreign for t in pair for ch in t)
+        }
+        self._keep = keep
+        self._build_rows()
+        mapped = [(i, self.rows[i]["prompt"]) for i in sorted(self._mapped)]
+        emptied = [i for i, prompt in mapped if not any(ch.isalnum() for ch in prompt)]
+        if emptied:
+            question = self._source[emptied[0]][0]
+            raise ValueError(
+                f"gsm8k file {self.path}: {len(emptied)} question(s) keep no letter or digit once mapped to the "
+                f"characters the policy's tokenizer encodes (rows {emptied[:5]}; row {emptied[0]}: {question!r} -> "
+                f"{self.rows[emptied[0]]['prompt']!r}): use a policy whose tokenizer encodes their text"
+            )
+        check_gradable(
+            [(row["prompt"], f"#### {row['answer']}") for row in self.rows], self.path, "once mapped"
+        )
+        first = mapped[0][0]
+        log.warning(
+            "gsm8k file %s: %d of %d rows hold characters the policy's tokenizer cannot encode (%s); their text "
+            "is mapped to characters it encodes (accents dropped, typographic signs in ASCII, the rest "
+            "removed), e.g. row %d: %r -> %r",
+            self.path,
+            len(mapped),
+            len(self._source),
+            "".join(foreign[:20]) + ("..." if len(foreign) > 20 else ""),
+            first,
+            self._source[first][0][:80],
+            self.rows[first]["prompt"][:80],
+        )
 
     def resolve_format(self, chat_template: bool) -> str:
         """As :meth:`Task.resolve_format`; the rows are rebuilt in the format settled on."""
@@ -281,7 +404,8 @@ class GSM8K(Task):
     def reward(
         self, prompts: list[str], completions: list[str], answer: list[str] | None = None, **fields: Any
     ) -> list[float]:
-        """1.0 if the completion's final answer equals the gold answer, else 0.0.
+        """1.0 if the completion's final answer equals the gold answer, else 0.0 (always 0.0 for an empty gold
+        answer: nothing to be right about).
 
         ``answer`` defaults to looking each prompt up in the loaded file (ValueError if absent).
         """
@@ -295,6 +419,7 @@ class GSM8K(Task):
             else:
                 raise ValueError(f"prompt {prompt[:60]!r} is not in {self.path}; pass answer=")
             predicted = self.read_answer(completion)
-            match = predicted is not None and normalize_answer(predicted) == normalize_answer(str(gold))
+            expected = normalize_answer(str(gold))
+            match = predicted is not None and expected != "" and normalize_answer(predicted) == expected
             rewards.append(1.0 if match else 0.0)
         return rewards

@@ -27,9 +27,9 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from ais_lightning.tasks.base import Task, TaskSample, check_aligned, check_format, first_line, register_task
+from ais_lightning.tasks.base import Task, TaskSample, check_aligned, check_format, first_line
 
 DIGITS = "1234"
 _UNITS = (
@@ -131,10 +131,12 @@ def grid_score(guess: str, puzzle: str, solution: str) -> float:
     return sum(guess[i] == solution[i] for i in empty) / len(empty)
 
 
-@register_task("sudoku4")
 @dataclass
 class Sudoku4(Task):
     """4x4 sudoku: prompt the puzzle (16 chars, ``"."`` empty) and ``":"``, solution the 16 digits."""
+
+    name: ClassVar[str] = "sudoku4"
+    """Its name in the registry (``TASKS``) and in messages."""
 
     empty_cells: int = 8
     """Empty cells per puzzle (1..12 with ``unique``; 4x4 puzzles with a unique solution have >= 4 clues)."""

@@ -1,16 +1,24 @@
-"""Measures of the tools under ``tools/``, each defined once: the peak resident memory of a block of code, the
-greedy accuracy and the sampled reward of a rollout engine on a task, and the mismatch between a policy and an
-engine on the tokens the engine sampled (the k3 KL with its prompt-clustered standard error, from the AIS
+"""Measures of the tools under ``tools/``, each defined once: the wall time of a call, the peak resident memory of a
+block of code, the greedy accuracy and the sampled reward of a rollout engine on a task, and the mismatch between a
+policy and an engine on the tokens the engine sampled (the k3 KL with its prompt-clustered standard error, from the AIS
 corrector's own sufficient statistics)."""
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+
+def timed(run: Callable[[], None]) -> float:
+    """Seconds ``run()`` took (wall time, ``time.perf_counter``)."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def rss_bytes() -> int:

@@ -8,14 +8,13 @@ directly from the registry with those values, so a typo or a wrong value fails w
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-import ais_lightning
 from ais_lightning import ops
+from ais_lightning.app.config import CONFIG_DIR
 from ais_lightning.correctors import (
     CORRECTORS,
     M2PO,
@@ -29,7 +28,7 @@ from ais_lightning.correctors import (
     build_corrector,
 )
 
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf" / "corrector"
+CONF = CONFIG_DIR / "corrector"
 OPTIONS = {
     "rs_token_k1": "rs",
     "rs_token_k1_token_tis": "rs",

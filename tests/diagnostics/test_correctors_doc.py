@@ -14,12 +14,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import ais_lightning
+from ais_lightning.app.config import CONFIG_DIR
 from ais_lightning.correctors import CORRECTORS, build_corrector
 from ais_lightning.diagnostics import MismatchDiagnostics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "correctors.md"
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf" / "corrector"
+CONF = CONFIG_DIR / "corrector"
 
 
 def metric_rows() -> list[tuple[str, str, str, str | None]]:

@@ -8,7 +8,7 @@ for ``torch.nn.functional.scaled_mm`` (``_scaled_block1x128_block128x128``): act
 gets only the scale tensor's data pointer and reads it with that leading dimension (PyTorch PR 166752; the
 legacy ``torch._scaled_mm`` accepts the unpadded layout and gives silently wrong products when
 ceil(K/128) % 4 != 0). torch's CPU kernels have no blockwise GEMM, so the values are checked against a
-pure-torch emulation of what cuBLASLt reads instead.
+pure-torch emulation of what cuBLASLt reads instead (``ais_lightning.toolkit.stand_ins.cublaslt_gemm``).
 """
 
 from __future__ import annotations
@@ -20,75 +20,26 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 from ais_lightning.quant import QuantLinear, fake_quantize, quantize
 from ais_lightning.quant.linear import (
     blockwise_activation_operands,
     blockwise_weight_operands,
     fp8_gemm_requirement,
+    scaled_mm_linear,
 )
 from ais_lightning.rollout import TorchRolloutEngine
+from ais_lightning.toolkit.stand_ins.cublaslt_gemm import (
+    EmulatedBlockwiseGemm,
+    cublaslt_weight_scales,
+    dequantize_blocks,
+    is_blockwise_1x128,
+    is_cublaslt_128x128,
+)
 from tests.gpu.fake_cuda import fake_cuda
 
 register_configs()
-
-
-def _size_stride(scale: torch.Tensor, dim: int, size: int, stride: int) -> bool:
-    """``check_size_stride`` of ScaledBlas.cpp: the stride only matters when the size is > 1."""
-    return scale.size(dim) == size and (size <= 1 or scale.stride(dim) == stride)
-
-
-def is_blockwise_1x128(t: torch.Tensor, scale: torch.Tensor) -> bool:
-    return (
-        t.dtype == torch.float8_e4m3fn
-        and scale.dtype == torch.float32
-        and scale.dim() == 2
-        and _size_stride(scale, 0, t.size(0), 1)
-        and _size_stride(scale, 1, math.ceil(t.size(1) / 128), t.size(0))
-    )
-
-
-def _k_blocks_padded(k: int) -> int:
-    """L4: the K-block count of 128x128 weight scales, rounded up to a multiple of 4 (cuBLASLt's layout)."""
-    return -(-math.ceil(k / 128) // 4) * 4
-
-
-def is_cublaslt_128x128(mat2: torch.Tensor, scale_b: torch.Tensor) -> bool:
-    """``_scaled_block1x128_block128x128``'s check of ``scale_b`` for ``mat2`` ``[K, N]``: ``[L4, ceil(N/128)]``,
-    strides ``(1, L4)`` (the column stride is free when there is one column)."""
-    k, n = mat2.shape
-    l4 = _k_blocks_padded(k)
-    return (
-        mat2.dtype == torch.float8_e4m3fn
-        and scale_b.dtype == torch.float32
-        and tuple(scale_b.shape) == (l4, math.ceil(n / 128))
-        and scale_b.stride(0) == 1
-        and (scale_b.stride(1) == l4 or (scale_b.size(1) == 1 and scale_b.stride(1) == 1))
-    )
-
-
-def cublaslt_weight_scales(scale_b: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    """The 128x128 block scales cuBLASLt applies to ``mat2`` ``[K, N]``, as ``[ceil(K/128), ceil(N/128)]``.
-
-    cuBLASLt gets only ``scale_b``'s data pointer (torch ``cuBlasCommonArgs.h``) and reads the scale of K block
-    ``i`` and N block ``j`` at element ``j * L4 + i`` of the memory there. Reads past the tensor's storage
-    come back NaN (on a GPU: whatever lies there).
-    """
-    kb, nb, l4 = math.ceil(k / 128), math.ceil(n / 128), _k_blocks_padded(k)
-    memory = torch.empty(0, dtype=scale_b.dtype).set_(scale_b.untyped_storage())[scale_b.storage_offset() :]
-    index = torch.arange(nb)[None, :] * l4 + torch.arange(kb)[:, None]  # [kb, nb]
-    read = torch.full((kb, nb), float("nan"))
-    inside = index < memory.numel()
-    read[inside] = memory[index[inside]]
-    return read
-
-
-def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``data * scale`` with each scale repeated over its block (partial edge blocks cut off)."""
-    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return data.float() * full[: data.shape[0], : data.shape[1]]
 
 
 @pytest.mark.parametrize("m, k, n", [(5, 384, 64), (16, 256, 256), (33, 160, 144)])
@@ -99,7 +50,8 @@ def test_blockwise_operands_have_the_layout_scaled_mm_checks(m, k, n):
     q = quantize(w, "fp8_e4m3", "block", (128, 128))
     mat2, scale_b = blockwise_weight_operands(q.data, q.scale)
     assert rows == m and data.shape[0] % 16 == 0  # tokens padded to 16, the pad sliced off later
-    assert mat2.shape == (k, n) and mat2.t().is_contiguous()  # column-major [K, N]
+    k_padded = 128 * math.ceil(k / 128)  # whole 128-wide K blocks only
+    assert data.shape[1] == k_padded and mat2.shape == (k_padded, n) and mat2.t().is_contiguous()  # [K', N]
     assert scale_a.shape == (data.shape[0], math.ceil(k / 128)) and scale_a.stride() == (1, data.shape[0])
     assert is_blockwise_1x128(data, scale_a)
     assert is_cublaslt_128x128(mat2, scale_b)  # [L4, N/128], strides (1, L4)
@@ -116,8 +68,8 @@ def test_blockwise_operands_dequantize_to_the_emulated_fp8_recipe(m, k, n):
     data, scale_a, rows = blockwise_activation_operands(x)
     q = quantize(w, "fp8_e4m3", "block", (128, 128))
     mat2, scale_b = blockwise_weight_operands(q.data, q.scale)
-    a = _dequantize_blocks(data, scale_a, (1, 128))[:rows]  # [M, K]
-    b = _dequantize_blocks(mat2.t(), cublaslt_weight_scales(scale_b, k, n).t(), (128, 128)).t()  # [K, N]
+    a = dequantize_blocks(data, scale_a, (1, 128))[:rows]  # [M, K]
+    b = dequantize_blocks(mat2.t(), cublaslt_weight_scales(scale_b, k, n).t(), (128, 128)).t()  # [K, N]
     emulated = F.linear(
         fake_quantize(x, "fp8_e4m3", "group", (1, 128)), fake_quantize(w, "fp8_e4m3", "block", (128, 128))
     )
@@ -125,50 +77,29 @@ def test_blockwise_operands_dequantize_to_the_emulated_fp8_recipe(m, k, n):
     assert (a @ b - x @ w.t()).abs().max() > 0  # really quantized
 
 
-def _emulated_cublaslt(calls: list, k: int, n: int):
-    """A stand-in for the blockwise GEMM (``torch._scaled_mm`` and ``F.scaled_mm``): records the weight scales
-    it was handed and multiplies with the scales cuBLASLt would read through their data pointer."""
-
-    def gemm(mat_a, mat_b, scale_a, scale_b, out_dtype, recipes=None):
-        calls.append((scale_b, recipes))
-        a = _dequantize_blocks(mat_a, scale_a, (1, 128))  # [M', K]
-        b = _dequantize_blocks(mat_b.t(), cublaslt_weight_scales(scale_b, k, n).t(), (128, 128)).t()  # [K, N]
-        return (a @ b).to(out_dtype)  # [M', N]
-
-    def scaled_mm_v1(mat_a, mat_b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, **_):
-        return gemm(mat_a, mat_b, scale_a, scale_b, out_dtype)
-
-    def scaled_mm_v2(
-        mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *_, output_dtype=torch.bfloat16, **__
-    ):
-        return gemm(mat_a, mat_b, scale_a, scale_b, output_dtype, (scale_recipe_a, scale_recipe_b))
-
-    return scaled_mm_v1, scaled_mm_v2
-
-
-@pytest.mark.parametrize("k", [128, 384, 512])
-def test_blockwise_fp8_gemm_hands_cublaslt_padded_weight_scales(monkeypatch, k):
+@pytest.mark.parametrize("k", [128, 384, 512, 576, 896])
+def test_blockwise_fp8_gemm_hands_cublaslt_padded_weight_scales_and_whole_k_blocks(monkeypatch, k):
     """The weight scales the blockwise ``fp8_gemm`` forward hands torch have cuBLASLt's layout (K blocks padded
     to a multiple of 4), so the product cuBLASLt computes from them is the emulated ``fp8`` recipe. Unpadded
     scales ([ceil(K/128), ceil(N/128)], strides (1, ceil(K/128))) are read at the wrong offsets for K = 128
-    and 384: the second output block gets another block's scales or memory past the tensor (PR 166752)."""
-    from ais_lightning.quant.linear import scaled_mm_linear
-
+    and 384: the second output block gets another block's scales or memory past the tensor (PR 166752).
+    K = 576 (SmolLM2-135M's hidden size) ends in a partial 128-wide K block, which neither torch nor cuBLASLt
+    documents: the GEMM is handed K zero-padded to whole blocks, whose product is the emulated recipe exactly
+    (896, Qwen2.5-0.5B's hidden size, is 7 whole blocks)."""
     m, n = 37, 160  # two output blocks, the second partial; 37 tokens padded to 48
     torch.manual_seed(2)
     x, w = torch.randn(m, k) * 3, torch.randn(n, k) * 0.02
-    calls: list = []
-    v1, v2 = _emulated_cublaslt(calls, k, n)
-    monkeypatch.setattr(torch, "_scaled_mm", v1)
-    monkeypatch.setattr(F, "scaled_mm", v2)
+    gemm = EmulatedBlockwiseGemm()
+    monkeypatch.setattr(torch, "_scaled_mm", gemm.scaled_mm_legacy)
+    monkeypatch.setattr(F, "scaled_mm", gemm.scaled_mm)
     q = quantize(w, "fp8_e4m3", "block", (128, 128))
     mat2, scale_b = blockwise_weight_operands(q.data, q.scale)  # what QuantLinear.refresh caches
     out = scaled_mm_linear(x, mat2, scale_b, None, "fp8_e4m3", "group")  # QuantLinear's fp8_gemm forward
 
-    ((handed, recipes),) = calls
-    assert is_cublaslt_128x128(mat2, handed), (tuple(handed.shape), handed.stride())
-    if recipes is not None:  # F.scaled_mm: the scaling is named, not inferred from the shapes
-        assert recipes == (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128)
+    ((mat_a, mat_b, _, handed, recipes),) = gemm.calls
+    assert is_cublaslt_128x128(mat_b, handed), (tuple(handed.shape), handed.stride())
+    assert recipes == (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128)  # named, not inferred
+    assert mat_a.shape[1] % 128 == 0 and mat_b.shape[0] == mat_a.shape[1] >= k  # whole K blocks
     emulated = F.linear(
         fake_quantize(x, "fp8_e4m3", "group", (1, 128)), fake_quantize(w, "fp8_e4m3", "block", (128, 128))
     )  # [M, N]
@@ -200,7 +131,7 @@ def test_fp8_gemm_requirements_follow_scaled_mm(recipe, capability, cuda, match)
 
 def _compose_rollout(*overrides: str):
     with initialize_config_dir(
-        config_dir=str(__import__("pathlib").Path(ais_lightning.__file__).parent / "app" / "conf"),
+        config_dir=str(CONFIG_DIR),
         version_base="1.3",
     ):
         return compose("train", overrides=["output_dir=/tmp/unused", *overrides])
@@ -266,7 +197,7 @@ def _recipes_here() -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("recipe", _recipes_here())
-@pytest.mark.parametrize("k", [128, 384, 512])  # ceil(K/128) = 1, 3: cuBLASLt's padded scale layout matters
+@pytest.mark.parametrize("k", [128, 384, 512, 576, 896])  # ceil(K/128) = 1, 3; 576: a partial K block
 def test_fp8_gemm_matches_the_emulated_recipe_on_gpu(recipe, k):
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, 160, bias=False).cuda()  # two output blocks, the second partial

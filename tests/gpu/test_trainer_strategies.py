@@ -18,18 +18,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 from ais_lightning.app.trainer import TrainerSettings
 from tests.gpu.fake_cuda import fake_cuda
 
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 
 def _trainer(*overrides: str) -> TrainerSettings:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         # rollout=bf16: a GPU trainer refuses the default integer-GEMM int8 engine unless it is placed on the CPU
         cfg = compose("train", overrides=["output_dir=/tmp/unused", "rollout=bf16", *overrides])
     return validate(cfg).trainer
@@ -61,6 +59,21 @@ def test_fsdp_gpu_is_fsdp2_over_nccl_on_every_gpu(monkeypatch, devices, nodes, g
     assert type(strategy).__name__ == "ModelParallelStrategy"
     assert strategy.process_group_backend == "nccl"
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (expected, 1)
+
+
+def test_fsdp_gpu_rolls_out_on_the_gpu_by_default(monkeypatch):
+    """``trainer=fsdp_gpu`` picks a GPU rollout itself (the torch engine in bf16 on each rank's GPU) instead of the
+    default integer-GEMM int8 engine, which runs on the CPU only (refused beside a GPU trainer on a host with VNNI,
+    emulated elsewhere); an explicit ``rollout=`` still wins."""
+    fake_cuda(monkeypatch, capability=(9, 0), count=1)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["output_dir=/tmp/unused", "trainer=fsdp_gpu"])
+        chosen = compose("train", overrides=["output_dir=/tmp/unused", "trainer=fsdp_gpu", "rollout=fp8"])
+        cpu = compose("train", overrides=["output_dir=/tmp/unused"])
+    components = validate(cfg)
+    assert cfg.rollout.precision == "bf16" and components.engine.checked_arguments["device"] is None
+    assert components.engine.checked_arguments["backend"] is None  # no integer GEMM: the model's (GPU) device
+    assert chosen.rollout.precision == "fp8" and cpu.rollout.precision == "int8"
 
 
 def test_fsdp_gpu_without_cuda_names_the_requirement(monkeypatch):

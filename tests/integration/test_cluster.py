@@ -4,19 +4,15 @@ under the environment SLURM gives a task."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 from tests.integration.helpers import RENDEZVOUS_VARIABLES
 
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -31,7 +27,7 @@ MULTI_NODE = [
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=["output_dir=/tmp/unused", *overrides], return_hydra_config=True)
 
 

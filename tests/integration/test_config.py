@@ -8,25 +8,23 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
 def make(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=["output_dir=/tmp/ais-test-unused", *overrides])
 
 
 def test_configs_ship_inside_the_package():
-    assert (CONF / "train.yaml").exists()
+    assert (CONFIG_DIR / "train.yaml").exists()
     assert {
         "policy",
         "rollout",
@@ -37,7 +35,7 @@ def test_configs_ship_inside_the_package():
         "logger",
         "experiment",
         "sweep",
-    } <= {p.name for p in CONF.iterdir() if p.is_dir()}
+    } <= {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
 
 
 @pytest.mark.parametrize("name", options("corrector"))
@@ -118,7 +116,7 @@ def test_an_option_yaml_restates_no_constructor_default():
     from ais_lightning.app.config import builtin_options, schema_for
 
     registry = builtin_options()
-    for path in CONF.glob("*/*.yaml"):
+    for path in CONFIG_DIR.glob("*/*.yaml"):
         data = yaml.safe_load(path.read_text()) or {}
         bases = [d for d in data.get("defaults", []) if isinstance(d, str) and d.startswith("/schema/")]
         if not bases or not bases[0].endswith("@_here_"):
@@ -131,7 +129,7 @@ def test_an_option_yaml_restates_no_constructor_default():
             # An option named after a value states it (rollout=fp32 says precision: fp32) so that it keeps
             # meaning what its name says if the constructor's default changes; anything else is a copy.
             if str(value) not in path.stem:
-                raise AssertionError(f"{path.relative_to(CONF)} restates the default {key}={value!r}")
+                raise AssertionError(f"{path.relative_to(CONFIG_DIR)} restates the default {key}={value!r}")
 
 
 def test_typo_in_a_key_fails_at_composition_naming_it():
@@ -224,7 +222,7 @@ def test_bypass_mode_with_no_corrector_is_valid():
 
 
 def test_sweep_preset_lists_the_four_correctors():
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["output_dir=/x", "sweep=correctors"], return_hydra_config=True)
     assert cfg.hydra.sweeper.params.corrector == "none,tis,mis,ais"
 
@@ -271,7 +269,7 @@ def test_fsdp_gpu_strategy_builds_on_cuda():
 
 @pytest.mark.parametrize("preset", ["correctors", "correctors_all", "paper_small"])
 def test_sweep_presets_name_existing_options(preset):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["output_dir=/x", f"sweep={preset}"], return_hydra_config=True)
     for group, values in cfg.hydra.sweeper.params.items():
         if group in ("corrector", "rollout"):

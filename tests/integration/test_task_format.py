@@ -18,13 +18,13 @@ def make(*overrides: str):
 
 
 def chat_policy(directory: Path) -> list[str]:
-    # validate() builds no model: the local policy only needs its directory to exist
+    # validate() builds no model: the local policy's directory is only checked to hold a model
     return ["policy=local", f"policy.path={directory}", "policy.chat_template=true"]
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "countdown", "sudoku4"])
-def test_auto_follows_the_policys_chat_template(task, tmp_path):
-    cfg = make(f"task={task}", *chat_policy(tmp_path))
+def test_auto_follows_the_policys_chat_template(task, tiny_model_dir):
+    cfg = make(f"task={task}", *chat_policy(tiny_model_dir))
     assert cfg.task.format == "auto" and cfg.task.extract is None
     c = validate(cfg)
     assert c.task.format == "chat" and cfg.task.format == "chat"  # the logged config names it too
@@ -33,8 +33,8 @@ def test_auto_follows_the_policys_chat_template(task, tmp_path):
     assert validate(plain).task.format == "bare" and plain.task.format == "bare"  # the tiny model: bare
 
 
-def test_an_explicit_format_is_kept(tmp_path):
-    assert validate(make("task.format=bare", *chat_policy(tmp_path))).task.format == "bare"
+def test_an_explicit_format_is_kept(tiny_model_dir):
+    assert validate(make("task.format=bare", *chat_policy(tiny_model_dir))).task.format == "bare"
     chat = validate(make("task.format=chat", "task.extract=[boxed]"))  # the tiny model on chat prompts
     assert (chat.task.format, chat.task.readers) == ("chat", ("boxed",))
 

@@ -23,8 +23,8 @@ def make(*overrides: str):
         (("policy=local", "policy.chat_template=true"), False),  # a pretrained checkpoint
     ],
 )
-def test_auto_follows_the_policy(overrides, expected, tmp_path):
-    extra = [f"policy.path={tmp_path}"] if "policy=local" in overrides else []
+def test_auto_follows_the_policy(overrides, expected, tiny_model_dir):
+    extra = [f"policy.path={tiny_model_dir}"] if "policy=local" in overrides else []
     cfg = make(*overrides, *extra)
     assert cfg.warmstart.enabled == "auto"  # the default, before validation
     c = validate(cfg)
@@ -32,9 +32,9 @@ def test_auto_follows_the_policy(overrides, expected, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["true", "false"])
-def test_an_explicit_choice_is_kept(value, tmp_path):
+def test_an_explicit_choice_is_kept(value, tiny_model_dir):
     expected = value == "true"
-    local = ["policy=local", f"policy.path={tmp_path}"]
+    local = ["policy=local", f"policy.path={tiny_model_dir}"]
     assert validate(make(*local, f"warmstart.enabled={value}")).warmstart.enabled is expected
     assert validate(make(f"warmstart.enabled={value}")).warmstart.enabled is expected
     assert validate(make(*local, "warmstart=disabled")).warmstart.enabled is False

@@ -96,7 +96,7 @@ def test_engines_are_built_once_and_an_fp32_engine_serves_both_validations(preci
     module = _module(
         engine_factory=functools.partial(TorchRolloutEngine, precision=precision), cls=Counting, val_size=3
     )
-    module.eval_engine_factory = functools.partial(TorchRolloutEngine, precision="fp32")
+    module.engines.eval_engine_factory = functools.partial(TorchRolloutEngine, precision="fp32")
     trainer = _validate_then_fit(module)
     shared = precision == "fp32"
     assert (module.eval_engine is module.engine) == shared
@@ -121,3 +121,33 @@ def test_val_batch_size_sets_the_validation_batches():
     assert own.prompt_data(1, 0).val_dataloader().batch_size == 7
     with pytest.raises(ValueError, match="val_batch_size"):
         GRPOSettings(val_batch_size=0)
+
+
+class ReservingEngine(TorchRolloutEngine):
+    """A torch engine declaring, as vLLM does, that it claims a share of the free device memory when it starts;
+    records the ``reserve_bytes`` it was built with."""
+
+    RESERVES_TRAINER_MEMORY = True
+    reserves: list[int] = []
+
+    def __init__(self, model, reserve_bytes: int = 0, **kwargs):
+        ReservingEngine.reserves.append(reserve_bytes)
+        super().__init__(model, **kwargs)
+
+
+def test_an_engine_claiming_free_memory_leaves_room_for_the_gradients_and_adamw_states():
+    """vLLM is built before the first step, when neither AdamW's two states (``zeros_like`` of each parameter,
+    created at its first step) nor the gradients exist: the module tells such an engine how much memory they will
+    take, so its share of the free memory is not taken out of theirs. Once the states exist, only the gradients
+    (freed after every update) are still to come."""
+    ReservingEngine.reserves.clear()
+    module = _module(engine_factory=functools.partial(ReservingEngine, precision="fp32", reserve_bytes=1000))
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    _fit(module)  # builds the engine when training starts, before the first step
+    assert ReservingEngine.reserves == [1000 + 3 * param_bytes]  # the configured reserve + grads + 2 states
+    module.close_engines()
+    module._build_engine(module.engines.engine_factory, module._full_state())  # AdamW's states exist now
+    assert ReservingEngine.reserves[-1] == 1000 + param_bytes  # only the gradients are still to come
+    plain = _module(engine_factory=functools.partial(TorchRolloutEngine, precision="fp32"))
+    _fit(plain)  # an engine that claims nothing is built as before (no reserve_bytes argument)

@@ -106,23 +106,34 @@ def test_one_step_updates_the_policy_and_syncs_the_engine():
 class TwoCalls(GRPOModule):
     """GRPOModule recording the two halves of its rollout step."""
 
-    def generate_rollouts(self, prompts, *args, **kwargs):
-        self.generated = super().generate_rollouts(prompts, *args, **kwargs)
-        self.steps_seen = [*getattr(self, "steps_seen", []), ("generate", len(prompts))]
-        return self.generated
+    def on_train_start(self):
+        super().on_train_start()
+        rollouts = self.source.rollouts
 
-    def build_experience(self, batch, prompts, fields, keep_graph=False):
-        self.steps_seen.append(("build", batch is self.generated))
-        return super().build_experience(batch, prompts, fields, keep_graph)
+        def recorded(step, request, version):
+            self.generated = rollouts(step, request, version)
+            self.steps_seen = [*getattr(self, "steps_seen", []), ("generate", len(request.prompt_ids), step)]
+            return self.generated
+
+        self.source.rollouts = recorded
+
+    def build_experience(self, batch, prompts, fields, keep_graph=False, versions=None, dropped=0):
+        same = torch.equal(batch.response_ids, self.generated.batch.response_ids)
+        self.steps_seen.append(("build", same, versions))
+        return super().build_experience(batch, prompts, fields, keep_graph, versions, dropped)
 
 
 def test_a_rollout_step_is_generation_then_experience_building():
-    """``collect_experience`` = ``generate_rollouts`` (the engine's batch, ``group_size`` rows per prompt) then
-    ``build_experience`` on that very batch; the stats time the generation."""
+    """``collect_experience`` = the rollout source's batch (the in-process engine at the current weights,
+    ``group_size`` rows per prompt, stamped with the current version) then ``build_experience`` on that very batch;
+    the stats time the generation."""
     module = _module(cls=TwoCalls)
     trainer = _fit(module)
-    assert module.steps_seen == [("generate", 3), ("build", True)]
-    assert module.generated.response_ids.shape[0] == 3 * module.settings.group_size
+    assert type(module.source).__name__ == "InlineSource"
+    assert module.steps_seen[0] == ("generate", 3, 0)
+    (_, same, versions) = module.steps_seen[1]
+    assert same and versions.tolist() == [0] * 3 * module.settings.group_size
+    assert module.generated.batch.response_ids.shape[0] == 3 * module.settings.group_size
     assert trainer.callback_metrics["time/rollout_s"] > 0
     assert trainer.callback_metrics["throughput/rollout_tokens_per_s"] > 0
 

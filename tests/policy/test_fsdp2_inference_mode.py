@@ -28,8 +28,8 @@ SAMPLING = SamplingConfig(n=2, max_new_tokens=6, seed=0)
 
 def _sync_inside_inference_mode(device: torch.device) -> None:
     """Shard a policy with FSDP2, gather it and sync an engine inside ``inference_mode`` (GRPOModule's
-    ``_full_state`` -> ``engine.sync_weights``); the engine then samples exactly as one built from the
-    unsharded weights."""
+    ``_full_state`` -> ``engine.sync_weights``); the gathered weights stay on the policy's device, and the engine
+    then samples exactly as one built from the unsharded weights."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -44,7 +44,9 @@ def _sync_inside_inference_mode(device: torch.device) -> None:
     assert isinstance(policy.model.model.layers[0].mlp.up_proj.weight, DTensor)
     engine = TorchRolloutEngine(build_tiny_qwen3(seed=1).to(device), precision="fp32")  # other weights
     with torch.inference_mode():  # Lightning's validation context over NCCL
-        named = policy.full_state_dict(snapshot=False)  # what GRPOModule._full_state hands the engines
+        named = policy.full_state_dict(
+            snapshot=False, device=None
+        )  # what GRPOModule._full_state hands the engines
         engine.sync_weights(named)
         got = engine.generate(PROMPTS, SAMPLING)
         rank0 = policy.full_state_dict(rank0_only=True)
@@ -52,6 +54,7 @@ def _sync_inside_inference_mode(device: torch.device) -> None:
     assert set(reference) <= set(state)
     for name, tensor in reference.items():
         assert not isinstance(state[name], DTensor) and not state[name].is_inference(), name
+        assert state[name].device == device, name  # device-resident: no round trip through host memory
         assert torch.equal(state[name].cpu(), tensor), name
     assert (len(rank0) > 0) == (dist.get_rank() == 0)
     assert torch.equal(got.response_ids, expected.response_ids)

@@ -127,3 +127,20 @@ def test_state_without_snapshot_is_the_live_weights_and_loads_the_same_engine_mo
     load_named_tensors(b, policy.full_state_dict())
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
+
+
+def test_the_engine_sync_keeps_the_weights_on_the_policys_device():
+    """What ``GRPOModule`` hands its engines (``device=None``) stays on the policy's device: on a GPU, no copy of the
+    whole model into pageable host memory on every rank and back into the engine. Shown with a policy on the
+    ``meta`` device, which cannot be copied to the CPU at all; a checkpoint's default (``device="cpu"``) still
+    gets CPU tensors."""
+    with torch.device("meta"):
+        policy = Policy(build_tiny_qwen3(seed=0))
+    named = policy.full_state_dict(snapshot=False, device=None)
+    assert named and all(t.device.type == "meta" for _, t in named)
+    assert dict(named)["lm_head.weight"] is dict(named)["model.embed_tokens.weight"]  # still one tensor, tied
+    assert all(t.device.type == "meta" for _, t in policy.full_state_dict(device=None))  # snapshots too
+    with pytest.raises(
+        NotImplementedError, match="meta"
+    ):  # a CPU copy of it is what the sync no longer makes
+        policy.full_state_dict(snapshot=False)

@@ -3,10 +3,13 @@
 The parts are what a user could plug in by one YAML file on Hydra's search path (``hydra.searchpath``):
 
 - :class:`NaNLogprobEngine`: a rollout engine whose log-probs are NaN on every sampled token;
+- :class:`ExitOnSampleEngine`: a rollout engine that calls ``sys.exit(0)`` when it first samples;
 - :class:`SigtermOnGreedyEngine`: a rollout engine that sends SIGTERM to its own process the first time
   it decodes greedily (a validation), the way a scheduler's stop can arrive at any moment;
 - :class:`FlakyArithmetic`: the arithmetic task with a reward function that raises (always, or on every
-  other call) and warns once.
+  other call) and warns once;
+- :func:`after_file_steps`: a call after every file-system step of a checkpoint write, where a kill or a signal
+  can land.
 
 ``python -m tests.reliability.faults ARGS`` is ``ais-train ARGS`` with the libraries every run imports
 loaded first; it prints ``RUN_SECONDS=<s>`` (the run itself, without the interpreter start and the
@@ -17,16 +20,20 @@ time, so that two real processes start "in the same second" as far as Hydra can 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
+from ais_lightning import files
 from ais_lightning.rollout.torch_engine import TorchRolloutEngine
 from ais_lightning.tasks.arithmetic import Arithmetic
 
@@ -44,6 +51,16 @@ class NaNLogprobEngine(TorchRolloutEngine):
         batch = super().generate(prompts, sampling)
         batch.rollout_logprobs = batch.rollout_logprobs.masked_fill(batch.response_mask, float("nan"))
         return batch
+
+
+class ExitOnSampleEngine(TorchRolloutEngine):
+    """The torch engine, calling ``sys.exit(0)`` on its first sampled (training) ``generate``: code of the run's
+    own that ends the process the way only a signal should."""
+
+    def generate(self, prompts: Any, sampling: Any) -> Any:
+        if sampling.temperature > 0:
+            sys.exit(0)
+        return super().generate(prompts, sampling)
 
 
 class SigtermOnGreedyEngine(TorchRolloutEngine):
@@ -79,6 +96,58 @@ class FlakyArithmetic(Arithmetic):
         if self.fail == "always" or self._calls % 2 == 1:
             raise RuntimeError(f"flaky reward failed on call {self._calls}")
         return super().reward(prompts, completions, **fields)
+
+
+@contextlib.contextmanager
+def after_file_steps(step: Callable[[], None]) -> Iterator[None]:
+    """Call ``step()`` right after every file-system step of :mod:`ais_lightning.files` (the checkpoint writes):
+    a file created for writing, its first bytes written (flushed), a rename, a removal. Undone after the block."""
+
+    class SteppedFile:
+        def __init__(self, handle: Any) -> None:
+            self._handle, self._written = handle, False
+
+        def write(self, data: Any) -> int:
+            n = self._handle.write(data)
+            if not self._written:
+                self._written = True
+                self._handle.flush()
+                step()
+            return n
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._handle, name)
+
+        def __enter__(self) -> SteppedFile:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self._handle.close()
+
+    def stepped_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = open(path, mode, *args, **kwargs)
+        if "x" in mode or "w" in mode:
+            step()
+            return SteppedFile(handle)
+        return handle
+
+    class SteppedOs:
+        def __getattr__(self, name: str) -> Any:
+            attr = getattr(os, name)
+            if name not in ("replace", "rename", "unlink", "remove"):
+                return attr
+
+            def stepped(*args: Any, **kwargs: Any) -> Any:
+                result = attr(*args, **kwargs)
+                step()
+                return result
+
+            return stepped
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(files, "os", SteppedOs())
+        patch.setattr(files, "open", stepped_open, raising=False)
+        yield
 
 
 def _freeze_hydra_clock(iso: str) -> None:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.integration.helpers import local_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 SMOKE = ["experiment=smoke", "trainer.num_threads=1"]
@@ -37,18 +39,24 @@ class Run:
         self.args = args
         name = log_name or f"proc-{time.monotonic_ns()}"
         self.out_path, self.err_path = cwd / f"{name}.out", cwd / f"{name}.err"
-        full_env = {
-            **os.environ,
-            "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": "1",
-            "AIS_LIGHTNING_CACHE": str(cwd / "cache"),
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        }
+        full_env = local_env(
+            {
+                "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": "1",
+                "AIS_LIGHTNING_CACHE": str(cwd / "cache"),
+                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            }
+        )
         full_env.pop("MLFLOW_TRACKING_URI", None)
         full_env.update(env or {})
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, stdout=out, stderr=err
+            self.proc = subprocess.Popen(  # its own process group: a timeout ends it and whatever it started
+                [sys.executable, "-m", module, *args],
+                cwd=cwd,
+                env=full_env,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
             )
 
     def wait(self, timeout: float = 600) -> int:
@@ -56,7 +64,7 @@ class Run:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             raise AssertionError(
                 f"ais-train {' '.join(self.args)} was still running after {timeout:.0f} s:\n{self.output[-3000:]}"
@@ -116,12 +124,19 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def store_uri(db: Path) -> str:
+    """The ``sqlite:///`` URI of the store file ``db``, its path quoted (any character in a run directory)."""
+    from urllib.parse import quote
+
+    return "sqlite:///" + quote(str(Path(db).absolute()))
+
+
 def mlflow_runs(db: Path, experiment: str = "ais_lightning") -> list[Any]:
     """Every run of ``experiment`` in the SQLite store ``db`` (oldest first)."""
     from mlflow.tracking import MlflowClient
 
     assert db.exists(), f"no MLflow store at {db}"
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    client = MlflowClient(tracking_uri=store_uri(db))
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, f"no experiment {experiment!r} in {db}"
     return sorted(client.search_runs([exp.experiment_id]), key=lambda r: r.info.start_time)
@@ -131,7 +146,7 @@ def metric_by_step(db: Path, run_id: str, key: str) -> dict[int, float]:
     """``{step: value}`` of one metric's history, the value logged last at each step (as the sweep report reads it)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    client = MlflowClient(tracking_uri=store_uri(db))
     out: dict[int, tuple[int, float]] = {}
     for m in client.get_metric_history(run_id, key):
         if m.step not in out or m.timestamp >= out[m.step][0]:

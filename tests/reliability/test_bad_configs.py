@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 from ais_lightning.rollout.base import SamplingConfig
 
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 
 def make(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=["output_dir=/tmp/ais-test-unused", *overrides])
 
 

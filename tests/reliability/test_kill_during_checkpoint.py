@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from ais_lightning import files
 from ais_lightning.files import VerifiedCheckpointIO
+from tests.reliability.faults import after_file_steps
 from tests.reliability.runs import SMOKE, metric_by_step, mlflow_runs
 
 
@@ -55,56 +55,13 @@ class _Recorder:
         environment stays as the test set it)."""
         recorder = self
 
-        class RecordingFile:
-            def __init__(self, handle: Any) -> None:
-                self._handle, self._written = handle, False
-
-            def write(self, data: Any) -> int:
-                n = self._handle.write(data)
-                if not self._written:
-                    self._written = True
-                    self._handle.flush()
-                    recorder.snapshot()
-                return n
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self._handle, name)
-
-            def __enter__(self) -> RecordingFile:
-                return self
-
-            def __exit__(self, *exc: Any) -> None:
-                self._handle.close()
-
-        def recording_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            handle = open(path, mode, *args, **kwargs)
-            if "x" in mode or "w" in mode:
-                recorder.snapshot()
-                return RecordingFile(handle)
-            return handle
-
-        class RecordingOs:
-            def __getattr__(self, name: str) -> Any:
-                attr = getattr(os, name)
-                if name not in ("replace", "rename", "unlink", "remove"):
-                    return attr
-
-                def step(*args: Any, **kwargs: Any) -> Any:
-                    result = attr(*args, **kwargs)
-                    recorder.snapshot()
-                    return result
-
-                return step
-
         save = VerifiedCheckpointIO.save_checkpoint
 
         def recording_save(io: Any, *args: Any, **kwargs: Any) -> None:
             save(io, *args, **kwargs)
             recorder.save_ends.append(len(recorder.moments))
 
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(files, "os", RecordingOs())
-            patch.setattr(files, "open", recording_open, raising=False)
+        with pytest.MonkeyPatch.context() as patch, after_file_steps(self.snapshot):
             patch.setattr(VerifiedCheckpointIO, "save_checkpoint", recording_save)
             self.snapshot()  # before the first step
             yield self
@@ -175,46 +132,34 @@ def test_last_falls_back_to_the_newest_checkpoint_that_verifies_and_says_why(tmp
 
 @pytest.mark.slow
 def test_killed_at_20_moments_of_checkpoint_writes_every_resume_continues_the_mlflow_run(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, in_process
 ):
     """The acceptance test: a real 2-step ``ais-train`` run (MLflow on its default SQLite store), killed at 20
     moments spread over its checkpoint writes after the first checkpoint; each time ``ckpt_path=last`` resumes,
     finishes, and continues the same MLflow run."""
-    from ais_lightning.app.config import compose_train_config
-    from ais_lightning.app.train import run as train_run
-
-    monkeypatch.setenv(
-        "MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "NullPool"
-    )  # the store file is restored per moment
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("AIS_LIGHTNING_CACHE", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
     out = tmp_path / "run"
     db = out / "mlflow.db"
     common = [*SMOKE, "trainer.checkpoint_every_n_steps=1", "logger=mlflow", f"output_dir={out}"]
-    try:
-        with _Recorder(out / "checkpoints", tmp_path / "moments", extra=(db,)).installed() as rec:
-            train_run(compose_train_config(common))
-        (original,) = mlflow_runs(db)
-        eligible = list(range(rec.save_ends[0], len(rec.moments)))  # a checkpoint had been published
-        picked = [eligible[round(i * (len(eligible) - 1) / 19)] for i in range(20)]
-        resumed_from = set()
-        for index in picked:
-            moment = rec.moments[index]
-            _restore(moment, out / "checkpoints")
-            with open(db, "r+b") as f:  # the store as it was at that moment, in place
-                f.write((moment / "mlflow.db").read_bytes())
-                f.truncate()
-            summary = train_run(compose_train_config([*common, "ckpt_path=last"]))
-            assert summary["status"] == "finished" and summary["steps"] == 2, (index, summary)
-            (record,) = mlflow_runs(db)
-            assert record.info.run_id == original.info.run_id, f"moment {index}: a new MLflow run"
-            assert record.info.status == "FINISHED", (index, record.info)
-            tags = [k for k in record.data.tags if k.startswith("resumed_at_step_")]
-            assert len(tags) == 1, (index, tags)
-            resumed_from.add(tags[0])
-            assert list(metric_by_step(db, record.info.run_id, "reward/mean")) == [0, 1], index
-        assert resumed_from == {"resumed_at_step_1", "resumed_at_step_2"}, resumed_from
-        assert len(set(picked)) == 20, f"20 distinct moments, from {len(eligible)}"
-    finally:
-        torch.set_num_threads(threads)
+    with _Recorder(out / "checkpoints", tmp_path / "moments", extra=(db,)).installed() as rec:
+        in_process(common)
+    (original,) = mlflow_runs(db)
+    eligible = list(range(rec.save_ends[0], len(rec.moments)))  # a checkpoint had been published
+    picked = [eligible[round(i * (len(eligible) - 1) / 19)] for i in range(20)]
+    resumed_from = set()
+    for index in picked:
+        moment = rec.moments[index]
+        _restore(moment, out / "checkpoints")
+        with open(db, "r+b") as f:  # the store as it was at that moment, in place
+            f.write((moment / "mlflow.db").read_bytes())
+            f.truncate()
+        summary = in_process([*common, "ckpt_path=last"])
+        assert summary["status"] == "finished" and summary["steps"] == 2, (index, summary)
+        (record,) = mlflow_runs(db)
+        assert record.info.run_id == original.info.run_id, f"moment {index}: a new MLflow run"
+        assert record.info.status == "FINISHED", (index, record.info)
+        tags = [k for k in record.data.tags if k.startswith("resumed_at_step_")]
+        assert len(tags) == 1, (index, tags)
+        resumed_from.add(tags[0])
+        assert list(metric_by_step(db, record.info.run_id, "reward/mean")) == [0, 1], index
+    assert resumed_from == {"resumed_at_step_1", "resumed_at_step_2"}, resumed_from
+    assert len(set(picked)) == 20, f"20 distinct moments, from {len(eligible)}"

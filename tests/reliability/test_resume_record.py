@@ -76,3 +76,77 @@ def test_last_is_the_newest_checkpoint_whose_hash_was_written(tmp_path: Path):
     assert resolve_checkpoint("last", str(tmp_path)) == str(older)  # the newest has no hash yet
     write_hash(newest)
     assert resolve_checkpoint("last", str(tmp_path)) == str(newest)
+
+
+# ------------------------------------------------------------------- resume as a contract (issue 45, case 4)
+def test_a_resume_continues_its_run_only_when_the_length_or_the_bookkeeping_changed():
+    from ais_lightning.app.contract import config_changes, continuing
+
+    before = {
+        "config": {"algorithm.lr": 3e-5, "trainer.max_steps": 2, "ckpt_path": None},
+        "choices": {"rollout": "int8"},
+    }
+    after = {
+        "config": {"algorithm.lr": 1e-4, "trainer.max_steps": 4, "ckpt_path": "last"},
+        "choices": {"rollout": "fp8"},
+    }
+    changes = config_changes(before, after)
+    assert changes == {"algorithm.lr": (3e-5, 1e-4), "rollout": ("int8", "fp8"), "trainer.max_steps": (2, 4)}
+    assert [k for k in changes if not continuing(k)] == ["algorithm.lr", "rollout"]
+    for key in (
+        "trainer.max_steps",
+        "logger",
+        "logger.tracking_uri",
+        "warmstart.steps",
+        "output_dir",
+        "overwrite",
+    ):
+        assert continuing(key), key
+    for key in (
+        "seed",
+        "corrector",
+        "corrector.c",
+        "algorithm.group_size",
+        "trainer",
+        "trainer.devices",
+        "policy.dtype",
+    ):
+        assert not continuing(key), key
+
+
+def test_the_state_that_does_not_fit_is_named_by_part():
+    import torch
+
+    from ais_lightning.app.contract import state_mismatch
+
+    mine = {"policy.w": torch.zeros(2, 3), "corrector.c": torch.zeros(())}
+    theirs = {
+        "policy.w": torch.zeros(3, 3),
+        "corrector.ema_lambda": torch.zeros(()),
+        "corrector.c": torch.zeros(()),
+    }
+    assert state_mismatch(mine, theirs) == {
+        "corrector": ["corrector.ema_lambda (in the checkpoint only)"],
+        "policy": ["policy.w (shape [3, 3] in the checkpoint, [2, 3] here)"],
+    }
+    assert state_mismatch(mine, dict(mine)) == {}
+
+
+def test_only_a_copied_run_directory_reads_its_own_copy_of_the_store(tmp_path: Path):
+    from ais_lightning.app.resume import relocated
+    from ais_lightning.app.tracking import sqlite_uri
+
+    original, copy = tmp_path / "a b?", tmp_path / "copy"
+    run = {"run_id": "r", "tracking_uri": sqlite_uri(original / "mlflow.db"), "output_dir": str(original)}
+    ckpt = str(copy / "checkpoints" / "last.ckpt")
+    assert relocated(run, ckpt, str(copy))["tracking_uri"] == sqlite_uri(copy / "mlflow.db")
+    assert (
+        relocated(run, str(original / "checkpoints" / "last.ckpt"), str(original)) == run
+    )  # where it was written
+    assert (
+        relocated(run, str(original / "last.ckpt"), str(copy)) == run
+    )  # another run's checkpoint, resumed here
+    sweep = {**run, "tracking_uri": sqlite_uri(tmp_path / "mlflow.db")}  # a sweep's store, above the run
+    assert relocated(sweep, ckpt, str(copy)) == sweep
+    server = {**run, "tracking_uri": "http://127.0.0.1:5000"}
+    assert relocated(server, ckpt, str(copy)) == server

@@ -1,14 +1,14 @@
-"""Engine factory: names, precisions, missing packages, lazy imports of vLLM and its engine module."""
+"""The engine registry: names, precisions, missing packages, no import of vLLM or Transformer Engine."""
 
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 
 from ais_lightning.models import build_tiny_qwen3
 from ais_lightning.rollout import (
+    ENGINES,
     TERolloutEngine,
     TorchRolloutEngine,
     build_engine,
@@ -83,8 +83,8 @@ def test_build_torch_engine():
     assert (engine.precision, engine.backend) == ("int8", "emulate")
 
 
-def test_vllm_is_built_by_lazy_import(monkeypatch):
-    """build_engine('vllm') imports ais_lightning.rollout.vllm_engine only when asked, and uses its class."""
+def test_build_engine_uses_the_registered_class_and_its_check_args(monkeypatch):
+    """build_engine('vllm') builds the class ENGINES registers under that name, checked by its own check_args."""
     checked = []
 
     class FakeVLLMEngine:
@@ -100,9 +100,7 @@ def test_vllm_is_built_by_lazy_import(monkeypatch):
         def __init__(self, model, **kwargs):
             self.model, self.kwargs = model, kwargs
 
-    fake = types.ModuleType("ais_lightning.rollout.vllm_engine")
-    fake.VLLMRolloutEngine = FakeVLLMEngine
-    monkeypatch.setitem(sys.modules, "ais_lightning.rollout.vllm_engine", fake)
+    monkeypatch.setitem(ENGINES, "vllm", FakeVLLMEngine)
     assert engine_precisions("vllm") == ("bf16",)
     engine = build_engine("vllm", "a-model", precision="bf16", seed=3)
     assert isinstance(engine, FakeVLLMEngine)
@@ -112,27 +110,19 @@ def test_vllm_is_built_by_lazy_import(monkeypatch):
         build_engine("vllm", "a-model", precision="fp8")
 
 
-def test_importing_the_package_imports_no_heavy_engine_and_vllm_engine_loads_lazily():
-    """``import ais_lightning.rollout`` (and the factory, the TE class) imports neither vllm nor transformer_engine;
-    ``VLLMRolloutEngine`` is exported, its module imported on first access, vllm still not."""
+def test_importing_the_package_imports_no_heavy_engine_package():
+    """``import ais_lightning.rollout`` (every engine class, the registry) imports neither vllm nor
+    transformer_engine; each engine imports its package only when it is constructed."""
     code = """
 import sys
 import ais_lightning.rollout as rollout
 heavy = ("vllm", "transformer_engine")
 assert not [m for m in sys.modules if m.split(".")[0] in heavy], "heavy package imported"
-assert "ais_lightning.rollout.vllm_engine" not in sys.modules, "vllm_engine imported eagerly"
-assert "VLLMRolloutEngine" in rollout.__all__ and "VLLMRolloutEngine" in dir(rollout)
-from ais_lightning.rollout import VLLMRolloutEngine
+from ais_lightning.rollout import ENGINES, VLLMRolloutEngine
 import ais_lightning.rollout.vllm_engine as vllm_engine
-assert VLLMRolloutEngine is vllm_engine.VLLMRolloutEngine
+assert VLLMRolloutEngine is vllm_engine.VLLMRolloutEngine is ENGINES["vllm"]
 assert VLLMRolloutEngine.PRECISIONS == ("fp32", "bf16", "fp8")
-assert not [m for m in sys.modules if m.split(".")[0] in heavy], "heavy package imported by the class"
-try:
-    rollout.NoSuchEngine
-except AttributeError as err:
-    assert "NoSuchEngine" in str(err)
-else:
-    raise AssertionError("unknown attribute did not raise")
+assert "VLLMRolloutEngine" in rollout.__all__
 print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -12,13 +12,13 @@ from ais_lightning.policy import Policy
 from ais_lightning.quant import quantize_model
 from ais_lightning.rollout import SamplingConfig, TERolloutEngine, engine_args
 from ais_lightning.rollout.te_engine import TE_RECIPE_REQUIREMENTS
-from tests.gpu.fake_cuda import fake_cuda
-from tests.gpu.realistic import (
+from ais_lightning.toolkit.realistic import (
     FP8_LOGPROB_TOLERANCE,
     mean_abs_logprob_delta,
     realistic_tiny_qwen3,
     scale_one_fp8,
 )
+from tests.gpu.fake_cuda import fake_cuda
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -253,3 +253,57 @@ def test_te_fp8_logprobs_match_fp32_on_a_realistic_model(recipe):
     assert mean_abs_logprob_delta(pi_new, again.rollout_logprobs.cpu(), again.response_mask.cpu()) < (
         FP8_LOGPROB_TOLERANCE
     )
+
+
+def test_every_recipe_accumulates_the_forward_gemm_in_fp32(monkeypatch):
+    """TE's ``Float8CurrentScaling`` defaults to ``fp8_gemm_fprop = MMParams(use_split_accumulator=False)``:
+    Hopper's fast FP8 accumulation, which keeps fewer bits of the running sum than the emulation and the
+    ``fp8_gemm`` backend (FP32). The engine's recipes all ask for the split (FP32) accumulator; TE's linear reads
+    ``recipe.fp8_gemm_fprop`` when the recipe has it (MXFP8's has not: set too). A stand-in of TE's recipe module
+    with TE 2.9's defaults (``ais_lightning.toolkit.stand_ins.te_recipes``)."""
+    import sys
+
+    from ais_lightning.rollout.te_engine import make_te_recipe
+    from ais_lightning.toolkit.stand_ins.te_recipes import te_recipe_modules
+
+    modules = te_recipe_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    recipes = modules["transformer_engine.common.recipe"]
+    assert recipes.Float8CurrentScaling().fp8_gemm_fprop.use_split_accumulator is False  # TE's default
+    for recipe in ("current", "block", "mxfp8"):
+        built = make_te_recipe(recipe, "E4M3")
+        assert built.fp8_gemm_fprop.use_split_accumulator is True, recipe
+        assert built.fp8_format is recipes.Format.E4M3
+    block = make_te_recipe("block", "E4M3")
+    assert not block.fp8_quant_fwd_inp.power_2_scale and not block.fp8_quant_fwd_weight.power_2_scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TE), reason="needs CUDA and transformer_engine")
+def test_te_current_scaling_gemm_accumulates_as_the_emulation_on_gpu():
+    """One TE linear (fp32 parameters: FP8 operands, FP32 output) under the engine's ``current`` recipe against the
+    emulated per-tensor FP8 recipe (the same quantized operands multiplied in fp32) at K = 4096. With FP32
+    accumulation only the summation order differs (relative error ~1e-6); Hopper's fast FP8 accumulation
+    (TE's default for this recipe) loses up to ~2% at this K (DeepSeek-V3, arXiv 2412.19437 section 3.3.2),
+    far over the bound."""
+    import transformer_engine.pytorch as te
+
+    from ais_lightning.quant import QuantLinear
+    from ais_lightning.rollout.te_engine import make_te_recipe
+
+    torch.manual_seed(0)
+    k, n = 4096, 256
+    linear = te.Linear(k, n, bias=False, params_dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        linear.weight.normal_(0, 0.02)
+    x = torch.randn(64, k, device="cuda")
+    with torch.no_grad(), te.autocast(enabled=True, recipe=make_te_recipe("current", "E4M3")):
+        real = linear(x)
+    reference = torch.nn.Linear(k, n, bias=False, device="cuda")
+    with torch.no_grad():
+        reference.weight.copy_(linear.weight)
+        emulated = QuantLinear.from_linear(reference, "fp8_tensor", backend="emulate")(x)
+    relative = float((real.float() - emulated).abs().max() / emulated.abs().max())
+    print(f"TE current scaling vs emulated fp8_tensor at K={k}: max relative error {relative:.2e}")
+    assert relative < 1e-3

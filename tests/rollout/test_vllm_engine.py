@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from ais_lightning.ops import logprobs_from_logits
+from ais_lightning.quant import fake_quantize
 from ais_lightning.rollout.base import SamplingConfig
 from ais_lightning.rollout.vllm_engine import (
     VLLMRolloutEngine,
@@ -22,19 +24,25 @@ from ais_lightning.rollout.vllm_engine import (
     pack_outputs,
     request_seeds,
     select_sync_tensors,
+    straddled_blocks,
 )
 
 # ----------------------------------------------------------------------------- pure helpers
 
 
-def test_request_seeds_distinct_deterministic_and_none():
+def test_request_seeds_distinct_deterministic_and_never_none():
     seeds = request_seeds(7, 5)
     assert len(set(seeds)) == 5
     assert seeds == request_seeds(7, 5)
     assert seeds[:3] == request_seeds(7, 3)  # prompt i's seed does not depend on the batch size
     assert request_seeds(8, 5) != seeds
     assert all(0 <= s < 2**63 for s in seeds)
-    assert request_seeds(None, 3) == [None, None, None]
+    # seed=None: every request still gets a seed, drawn from the engine's own generator (not the global RNGs)
+    state = np.random.get_state()
+    drawn = request_seeds(None, 3, np.random.default_rng(0))
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in drawn) and len(set(drawn)) == 3
+    assert drawn == request_seeds(None, 3, np.random.default_rng(0))  # reproducible from the engine's seed
+    assert np.array_equal(np.random.get_state()[1], state[1])  # the global numpy RNG is untouched
 
 
 @pytest.mark.parametrize("prompts", [[], [[]], [[1, -1]], [[1, 2], [200]], "abc"])
@@ -111,6 +119,37 @@ def test_fp8_fake_quantized_only_touches_linear_weights():
     big = w.abs() > w.abs().max() / 64
     assert ((q - w).abs()[big] <= w.abs()[big] * 2**-4 + 1e-7).all()
     assert torch.equal(dict(fp8_fake_quantized([("x.weight", q)]))["x.weight"], q)  # idempotent
+
+
+def test_fp8_fake_quantized_shares_block_scales_across_merged_projections():
+    """vLLM's fp8_per_block quantizes the merged q|k|v and gate|up weights in 128-row blocks. The built-in tiny
+    Qwen3 has q, k, v = 128, 64, 64 rows: k_proj and v_proj share one block, so k_proj gets the block's scale
+    (v's amax here), not its own: the CPU emulation must do the same to be what vLLM computes on a GPU."""
+    torch.manual_seed(0)
+    prefix = "model.layers.0."
+    weights = {
+        "self_attn.q_proj": torch.randn(128, 128) * 0.02,
+        "self_attn.k_proj": torch.randn(64, 128) * 0.02,
+        "self_attn.v_proj": torch.randn(64, 128) * 0.2,  # 10x k's: the shared block's scale is v's
+        "mlp.gate_proj": torch.randn(384, 128) * 0.02,
+        "mlp.up_proj": torch.randn(384, 128) * 0.05,
+    }
+    named = [(f"{prefix}{k}.weight", w) for k, w in weights.items()]
+    out = {name[len(prefix) : -len(".weight")]: t for name, t in fp8_fake_quantized(named)}
+
+    def fq(w):
+        return fake_quantize(w, "fp8_e4m3", "block", (128, 128))
+
+    qkv = torch.cat([weights[f"self_attn.{p}_proj"] for p in "qkv"])  # [256, 128], vLLM's qkv_proj
+    assert torch.equal(torch.cat([out[f"self_attn.{p}_proj"] for p in "qkv"]), fq(qkv))
+    assert torch.equal(out["self_attn.q_proj"], fq(weights["self_attn.q_proj"]))  # a block of its own
+    assert not torch.equal(out["self_attn.k_proj"], fq(weights["self_attn.k_proj"]))  # not its own scale
+    for name in ("mlp.gate_proj", "mlp.up_proj"):  # 384 = 3 x 128: no block spans gate|up
+        assert torch.equal(out[name], fq(weights[name])), name
+    shapes = {f"{prefix}{k}.weight": tuple(w.shape) for k, w in weights.items()}
+    assert straddled_blocks(shapes) == {f"{prefix}self_attn.qkv_proj.weight": [128, 64, 64]}
+    smollm2 = {f"{prefix}self_attn.{p}_proj.weight": (rows, 576) for p, rows in zip("qkv", (576, 192, 192))}
+    assert straddled_blocks(smollm2) == {f"{prefix}self_attn.qkv_proj.weight": [576, 192, 192]}  # q|k at 576
 
 
 SHAPES = {"model.embed_tokens.weight": (4, 2), "model.layers.0.mlp.up_proj.weight": (3, 2)}
@@ -204,6 +243,7 @@ def test_check_args_defaults_llm_kwargs_and_missing_vllm(monkeypatch):
         "seed": 0,
         "device": None,  # no CUDA: vLLM-CPU
         "pad_token_id": None,
+        "reserve_bytes": 0,
         "llm_kwargs": {"max_num_seqs": 8},
     }
     monkeypatch.setattr(engine_args, "has_package", lambda name: name != "vllm")
@@ -268,6 +308,21 @@ def test_cuda_placement_gives_vllm_a_share_of_the_free_memory():
         ValueError, match=r"^gpu_memory_utilization=0\.9 asks vLLM for 72\.00 GiB.*30\.00 GiB are free"
     ):
         cuda_placement(0, 30 * GIB, 80 * GIB, 0.9)  # vLLM's default, refused beside a trainer
+
+
+def test_cuda_placement_leaves_the_trainers_states_still_to_come():
+    """The trainer's gradients and AdamW states come after vLLM starts: vLLM's share is half of what is free once
+    they are counted, not half of what is free now (which left them the other half, activations included)."""
+    kwargs, _ = cuda_placement(0, 40 * GIB, 80 * GIB, None, reserve_bytes=10 * GIB)
+    assert kwargs["gpu_memory_utilization"] == 0.1875  # (40 - 10) / 2 = 15 GiB of 80
+    with pytest.raises(
+        ValueError, match=r"0\.4 asks vLLM for 32\.00 GiB.*trainer still needs 10\.00 GiB.*<= 0\.375"
+    ):
+        cuda_placement(0, 40 * GIB, 80 * GIB, 0.4, reserve_bytes=10 * GIB)  # fits the free 40 GiB, not the 30
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=None.*trainer still needs 50\.00 GiB"):
+        cuda_placement(0, 40 * GIB, 80 * GIB, None, reserve_bytes=50 * GIB)
+    with pytest.raises(ValueError, match="^reserve_bytes must be an int >= 0"):
+        VLLMRolloutEngine.check_args(reserve_bytes=-1)
 
 
 def test_cuda_placement_puts_each_rank_on_its_own_device():
@@ -379,13 +434,18 @@ def engine(policy):
 
 @torch.no_grad()
 def hf_logprobs(model, batch, temperature):
-    """Trainer-side log-probs of the sampled tokens: one full forward, left padding, cumsum positions."""
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)  # [B, P+T]
-    mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)  # [B, P+T]
+    """Trainer-side log-probs of the sampled tokens: one full forward, left padding, cumsum positions. The batch
+    is scored on the model's device (vLLM on a GPU returns it on ``cuda:0``, the reference model is on the CPU)
+    and the log-probs come back on the batch's device."""
+    device = next(model.parameters()).device
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)  # [B, P+T]
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)  # [B, P+T]
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
     logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits  # [B, P+T, V]
     p = batch.prompt_ids.shape[1]
-    lp = logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids, temperature)  # [B, T]
+    response = batch.response_ids.to(device)  # [B, T]
+    lp = logprobs_from_logits(logits[:, p - 1 : -1], response, temperature)  # [B, T]
+    lp = lp.to(batch.response_mask.device)
     return torch.where(batch.response_mask, lp, torch.zeros_like(lp))
 
 
@@ -536,7 +596,11 @@ def test_vllm_fp8_weights_and_kv_cache_follow_the_weights_on_gpu():
     within the FP8 tolerance of fp32 before and after a weight sync (stale FP8 weights or KV scales would
     not follow the sync), and they differ from the fp32 engine's (FP8 is really on)."""
     pytest.importorskip("vllm")
-    from tests.gpu.realistic import FP8_LOGPROB_TOLERANCE, mean_abs_logprob_delta, realistic_tiny_qwen3
+    from ais_lightning.toolkit.realistic import (
+        FP8_LOGPROB_TOLERANCE,
+        mean_abs_logprob_delta,
+        realistic_tiny_qwen3,
+    )
 
     model = realistic_tiny_qwen3()
     torch.cuda.set_device(0)
@@ -574,7 +638,7 @@ def test_vllm_close_returns_its_gpu_memory():
     """``close`` gives vLLM's share of the GPU back (its engine core's shutdown), so the next engine of the
     process finds it free: measured with ``torch.cuda.mem_get_info``, not taken on trust."""
     pytest.importorskip("vllm")
-    from tests.gpu.realistic import realistic_tiny_qwen3
+    from ais_lightning.toolkit.realistic import realistic_tiny_qwen3
 
     torch.cuda.set_device(0)
     shares = []
@@ -591,3 +655,55 @@ def test_vllm_close_returns_its_gpu_memory():
         assert left < max(0.1 * held, 256 * 2**20)  # the CUDA context and library workspaces may stay
         shares.append(held)
     assert shares[1] > 0.8 * shares[0]  # the second engine got the same share: nothing was left held
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU of compute capability >= 8.9")
+def test_vllm_fp8_quantizes_the_merged_qkv_in_shared_blocks_on_gpu(monkeypatch):
+    """vLLM's ``fp8_per_block`` quantizes the merged q|k|v weight in 128-row blocks: on the tiny Qwen3 (q, k, v =
+    128, 64, 64 rows) k_proj shares its block, and its scale, with v_proj (made 8x larger here). vLLM's own
+    ``qkv_proj`` applied to one input matches the merged emulation (what :func:`fp8_fake_quantized` does on CPU)
+    to output rounding, and the per-projection ``fp8`` recipe only to FP8 rounding, on k_proj's rows. The input
+    is exactly E4M3 x 2^-8 with an amax of 448 x 2^-8 in every 128-group, so every activation scaling (amax /
+    448 or a power of 2) quantizes it without error and only the weights' blocks make the difference."""
+    pytest.importorskip("vllm")
+    from ais_lightning.toolkit.realistic import realistic_tiny_qwen3
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
+    model = realistic_tiny_qwen3()
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.v_proj.weight.mul_(8.0)
+    gen = torch.Generator().manual_seed(0)
+    magnitude = torch.randint(0, 0x7F, (16, 128), generator=gen)  # E4M3 bit patterns 0 ... 0x7E = 448, no NaN
+    sign = torch.randint(0, 2, (16, 128), generator=gen) * 0x80
+    x = (magnitude | sign).to(torch.uint8).view(torch.float8_e4m3fn).float()  # [16, 128] E4M3 values
+    x[:, 0] = 448.0
+    x = x * 2.0**-8
+    torch.cuda.set_device(0)
+    engine = VLLMRolloutEngine(model, precision="fp8", max_model_len=128, seed=0)
+    try:
+
+        def qkv(vllm_model):  # runs in vLLM's worker, in this process
+            layer = vllm_model.model.layers[0].self_attn.qkv_proj
+            out = layer(x.to(device="cuda", dtype=torch.bfloat16))
+            return (out[0] if isinstance(out, tuple) else out).float().cpu()
+
+        (y,) = engine.llm.apply_model(qkv)  # [16, 256]
+    finally:
+        engine.close()
+    weights = [
+        getattr(attention, f"{p}_proj").weight.bfloat16().float() for p in "qkv"
+    ]  # vLLM's bf16 weights
+    merged = fake_quantize(torch.cat(weights), "fp8_e4m3", "block", (128, 128))  # [256, 128]
+    own = torch.cat([fake_quantize(w, "fp8_e4m3", "block", (128, 128)) for w in weights])
+    k_rows = slice(128, 192)
+    err_merged = (y - x @ merged.t())[:, k_rows].abs().mean().item()
+    err_own = (y - x @ own.t())[:, k_rows].abs().mean().item()
+    scale = y[:, k_rows].abs().mean().item()
+    print(
+        f"vLLM qkv_proj on k_proj's rows: |vs merged blocks| {err_merged:.2e}, |vs own blocks| {err_own:.2e}"
+    )
+    assert err_merged < 1e-2 * scale  # bf16 output rounding
+    assert err_merged < err_own / 4

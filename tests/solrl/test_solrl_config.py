@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-import ais_lightning
 from ais_lightning.app.build import validate
-from ais_lightning.app.config import register_configs
+from ais_lightning.app.config import CONFIG_DIR, register_configs
 from ais_lightning.modules.solrl import SolRLSettings
 
-CONF = Path(ais_lightning.__file__).parent / "app" / "conf"
 register_configs()
 
 
 def make(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=["output_dir=/tmp/ais-test-unused", *overrides])
 
 
@@ -72,7 +68,11 @@ def test_an_engine_without_coupled_noise_or_trainer_copy_is_refused():
             raise AssertionError("never built")
 
     settings = SolRLSettings()
-    parts = dict(engine=functools.partial(TorchRolloutEngine, precision="int8"), trainer=TrainerSettings())
+    parts = dict(
+        engine=functools.partial(TorchRolloutEngine, precision="int8"),
+        trainer=TrainerSettings(),
+        workers=None,
+    )
     settings.check_components(
         types.SimpleNamespace(**parts, eval_engine=functools.partial(TorchRolloutEngine))
     )

@@ -23,7 +23,7 @@ def test_loads_sample_file(task):
     assert first["solution"] == "Tom has 3+4=7 apples.\n#### 7"  # calculator annotation removed
     assert first["answer"] == "7"
     assert task.rows[3]["answer"] == "1,500"
-    assert task.rows[7]["prompt"].startswith("Cafe Jose sells")  # accents mapped to ASCII
+    assert task.rows[7]["prompt"].startswith("Café José sells")  # kept as written until fitted to a tokenizer
 
 
 def test_datasets_backend_matches_plain_json(task, tmp_path):

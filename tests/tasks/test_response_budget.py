@@ -40,12 +40,16 @@ def make(*overrides: str):
     return compose_train_config(["output_dir=/tmp/ais-test-unused", *overrides])
 
 
-def test_a_null_max_new_tokens_becomes_the_tasks_budget_everywhere_it_is_read(tmp_path):
-    cfg = make("policy=local", f"policy.path={tmp_path}", "task=arithmetic")  # chat_template false: bare
+def test_a_null_max_new_tokens_becomes_the_tasks_budget_everywhere_it_is_read(tiny_model_dir):
+    cfg = make(
+        "policy=local", f"policy.path={tiny_model_dir}", "task=arithmetic"
+    )  # chat_template false: bare
     assert cfg.algorithm.max_new_tokens is None
     c = validate(cfg)
     assert c.algorithm.max_new_tokens == 8 and cfg.algorithm.max_new_tokens == 8
-    chat = make("policy=local", f"policy.path={tmp_path}", "policy.chat_template=true", "task=arithmetic")
+    chat = make(
+        "policy=local", f"policy.path={tiny_model_dir}", "policy.chat_template=true", "task=arithmetic"
+    )
     c = validate(chat)
     assert (c.task.format, c.algorithm.max_new_tokens, chat.algorithm.max_new_tokens) == ("chat", 64, 64)
     assert c.loss.max_response_length == 64  # the groups that interpolate it see the settled value

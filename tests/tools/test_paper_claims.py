@@ -9,6 +9,12 @@ import pytest
 
 from tests.tools.load_tool import load_tool
 
+T_975 = {1: 12.706204736174707, 2: 4.302652729749464}
+"""97.5% quantiles of Student's t with 1 and 2 degrees of freedom (tables): the 95% intervals of 2 seeds, and of
+Welch's difference of two rows of 2 seeds with equal spreads (Welch-Satterthwaite: 2 degrees of freedom)."""
+ROW_HALF = T_975[1] * 0.02 / math.sqrt(2)  # a row of 2 seeds with std 0.02: 0.180
+DIFF_HALF = T_975[2] * math.sqrt(2 * 0.02**2 / 2)  # two such rows, Welch: 4.30 x 0.02 = 0.086
+
 
 def _load():
     return load_tool("paper_claims")
@@ -61,16 +67,18 @@ REPORT = {
 
 def test_claims_numbers(tmp_path, capsys):
     text = _claims(tmp_path, capsys, REPORT)
-    se = math.sqrt(2 * 0.02**2 / 2)  # = 0.02
-    # 1: none - fp32 = -0.100 ± 0.020, half of the fp32 gain lost
-    assert f"| -0.100 ± {se:.3f} | n/a | 50% |" in text  # no per-run values: nothing to pair
+    assert (round(ROW_HALF, 3), round(DIFF_HALF, 3)) == (0.180, 0.086)
+    # 1: none - fp32 = -0.100 ± 0.086 (Welch), half of the fp32 gain lost; each row ± 0.180 over its 2 seeds
+    assert (
+        "| fp8 | +0.100 ± 0.180 (2) | +0.200 ± 0.180 (2) | -0.100 ± 0.086 | n/a | 50% |" in text
+    )  # nothing to pair
     # 2: gap 0.1; tis (0.14-0.1)/0.1 = 0.4, mis 0.6, ais 0.9, one row each, best first
-    gap = "| fp8 (gap +0.100 ± 0.020) |"  # 0.1 > 2 SE: not marked
-    assert f"{gap} ais | +0.190 ± 0.020 | 2 | +0.090 ± 0.020 | n/a | 0.90 |" in text
-    assert f"{gap} tis | +0.140 ± 0.020 | 2 | +0.040 ± 0.020 | n/a | 0.40 |" in text
+    gap = "| fp8 (gap +0.100 ± 0.086) |"  # 0.1 > 0.086: not marked
+    assert f"{gap} ais | +0.190 ± 0.180 (2) | 2 | +0.090 ± 0.086 | n/a | 0.90 |" in text
+    assert f"{gap} tis | +0.140 ± 0.180 (2) | 2 | +0.040 ± 0.086 | n/a | 0.40 |" in text
     assert text.index(f"{gap} ais") < text.index(f"{gap} mis") < text.index(f"{gap} tis")
     # 3: AIS 0.19 vs best mis 0.16 -> +0.030
-    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 | n/a |" in text
+    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.086 | n/a |" in text
     # 4: quarters of 4 values = first and last value; lambda falls with entropy: corr -1
     # (no variance amplification history: the correction size is n/a)
     assert (
@@ -100,11 +108,16 @@ def test_correction_size_is_lambda_times_root_chi2(tmp_path, capsys):
 
 def test_gap_within_noise_is_marked(tmp_path, capsys):
     rows = [dict(r) for r in REPORT["rows"]]
-    rows[1] = _row("fp8", "none", 0.17, 0.02, 500)  # gap 0.03 < 2 x 0.02
+    rows[1] = _row("fp8", "none", 0.17, 0.02, 500)  # gap 0.03 < 0.086
     text = _claims(tmp_path, capsys, {"rows": rows})
-    assert "| fp8 (gap +0.030 ± 0.020 (gap within 2 SE)) | ais |" in text
+    assert "| fp8 (gap +0.030 ± 0.086 (0 in the gap's 95% interval)) | ais |" in text
     # 3: without a gap the uncorrected run can be the best of none / TIS / MIS: 0.19 - 0.17
-    assert "| fp8 | +0.190 | none +0.170 | +0.020 ± 0.020 | n/a |" in text
+    assert "| fp8 | +0.190 | none +0.170 | +0.020 ± 0.086 | n/a |" in text
+    # a gap of 3 standard errors (0.06 / 0.02), which "within 2 SE" called resolved, is noise at 2 + 2 seeds
+    rows[1] = _row("fp8", "none", 0.14, 0.02, 500)
+    assert "| fp8 (gap +0.060 ± 0.086 (0 in the gap's 95% interval)) |" in _claims(
+        tmp_path, capsys, {"rows": rows}
+    )
 
 
 def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
@@ -125,7 +138,7 @@ def test_option_keyed_reports_leave_other_algorithms_out(tmp_path, capsys):
     rows = [keyed(r) for r in REPORT["rows"]]
     rows.append(keyed(_row("fp8", "none", 0.90, 0.02, 9000), algorithm="solrl"))  # would change every claim
     text = _claims(tmp_path, capsys, {"rows": rows})
-    assert "| fp8 (gap +0.100 ± 0.020) | ais | +0.190" in text and "| fp8 | 525 | 0.53x |" in text
+    assert "| fp8 (gap +0.100 ± 0.086) | ais | +0.190" in text and "| fp8 | 525 | 0.53x |" in text
 
 
 def test_missing_baseline_is_a_clear_error(tmp_path, capsys):
@@ -156,20 +169,21 @@ def test_early_vs_late_and_a_named_baseline(tmp_path, capsys):
         tmp_path, capsys, {"rows": rows, "baseline": {"precision": "llada_fp32", "corrector": "none"}}
     )
     assert "### 1. Uncorrected low precision vs llada_fp32" in text
-    # early = the validation nearest to 100 / 4 = 25; SE = sqrt(s1^2/2 + s2^2/2)
-    se_early = math.sqrt(0.03**2 / 2 + 0.04**2 / 2)  # 0.0354
-    se_late = math.sqrt(0.04**2 / 2 + 0.03**2 / 2)
-    assert f"| llada_fp8 | llada_fp32 | 25 | -0.050 ± {se_early:.3f} | 100 | +0.100 ± {se_late:.3f} |" in text
+    # early = the validation nearest to 100 / 4 = 25; Welch: se^2 = s1^2/2 + s2^2/2, and the degrees of freedom
+    # se^4 / ((s1^2/2)^2 + (s2^2/2)^2) = 1.85 (both sides 2 seeds)
+    from scipy.stats import t
+
+    va, vb = 0.03**2 / 2, 0.04**2 / 2
+    half = t.ppf(0.975, (va + vb) ** 2 / (va**2 + vb**2)) * math.sqrt(va + vb)  # early and late alike
+    assert round(half, 3) == 0.164  # t(1.85) = 4.64 x 0.0354
     # no reward curves in these rows: the reward cells say so
     assert (
-        f"| llada_fp8 | llada_fp32 | 25 | -0.050 ± {se_early:.3f} | 100 | +0.100 ± {se_late:.3f} | n/a | n/a |"
+        f"| llada_fp8 | llada_fp32 | 25 | -0.050 ± {half:.3f} | 100 | +0.100 ± {half:.3f} | n/a | n/a |"
         in text
     )
-    se_tis = math.sqrt(0.04**2 / 2)
-    assert (
-        f"| llada_fp8 | tis | 25 | -0.020 ± {se_tis:.3f} | 100 | +0.050 ± {math.sqrt(0.03**2 / 2):.3f} |"
-        in text
-    )
+    # tis has no spread: the interval is none's alone, 1 degree of freedom
+    early_tis, late_tis = (T_975[1] * math.sqrt(s**2 / 2) for s in (0.04, 0.03))
+    assert f"| llada_fp8 | tis | 25 | -0.020 ± {early_tis:.3f} | 100 | +0.050 ± {late_tis:.3f} |" in text
 
 
 def test_early_vs_late_reward_quarters(tmp_path, capsys):
@@ -207,17 +221,18 @@ def _with_values(row: dict, seeds: list[str], values: list[float | None]) -> dic
 
 def test_differences_paired_by_seed(tmp_path, capsys):
     """ais - none per seed: 0.05, 0.04, 0.08 -> mean 0.0567, s.d. sqrt(((1/150)^2 + (1/60)^2 + (7/300)^2) / 2)
-    = 0.02082, s.e. 0.02082 / sqrt(3) = 0.01202. Only seeds both rows ran, with values, are paired."""
+    = 0.02082, s.e. 0.02082 / sqrt(3) = 0.01202, 95% t-interval (2 degrees of freedom) 4.303 x 0.01202 = 0.05171.
+    Only seeds both rows ran, with values, are paired."""
     tool = _load()
     none = _with_values(REPORT["rows"][1], ["0", "1", "2"], [0.10, 0.20, 0.30])
     ais = _with_values(REPORT["rows"][4], ["0", "1", "2"], [0.15, 0.24, 0.38])
-    d, se, n = tool.paired_diff(ais, none, "val_accuracy_gain")
-    assert (d, se, n) == (pytest.approx(0.17 / 3), pytest.approx(0.012019, abs=1e-6), 3)
+    d, half, n = tool.paired_diff(ais, none, "val_accuracy_gain")
+    assert (d, half, n) == (pytest.approx(0.17 / 3), pytest.approx(T_975[2] * 0.0120185, abs=1e-6), 3)
     unpaired = _with_values(REPORT["rows"][4], ["0", "1", "5"], [0.15, None, 0.38])
     assert tool.paired_diff(unpaired, none, "val_accuracy_gain")[2] == 1  # seed 1 has no value, 5 no partner
     assert math.isnan(tool.paired_diff(unpaired, none, "val_accuracy_gain")[0])
     rows = [REPORT["rows"][0], none, *REPORT["rows"][2:4], ais]
-    assert "| +0.090 ± 0.020 | +0.057 ± 0.012 (3) | 0.90 |" in _claims(tmp_path, capsys, {"rows": rows})
+    assert "| +0.090 ± 0.086 | +0.057 ± 0.052 (3) | 0.90 |" in _claims(tmp_path, capsys, {"rows": rows})
 
 
 # --lambda-plot: a report grouped by the options picked, AIS at two precisions with lambda near 0 (int8,
@@ -410,9 +425,9 @@ def test_rows_of_two_forms_of_one_corrector_stay_apart(tmp_path, capsys):
     exact = _row("fp8", "ais", 0.17, 0.02, 600)
     exact["group"]["corrector.spread"] = "impurity"
     out = _claims(tmp_path, capsys, {"rows": [*rows, exact]})
-    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.020 |" in out  # the plain row, as before
-    assert "| fp8, ais (corrector.spread=impurity) | +0.170 | mis +0.160 | +0.010 ± 0.020 |" in out
-    assert "| ais (corrector.spread=impurity) | +0.170 ± 0.020 |" in out  # section 2: its own row
+    assert "| fp8 | +0.190 | mis +0.160 | +0.030 ± 0.086 |" in out  # the plain row, as before
+    assert "| fp8, ais (corrector.spread=impurity) | +0.170 | mis +0.160 | +0.010 ± 0.086 |" in out
+    assert "| ais (corrector.spread=impurity) | +0.170 ± 0.180 (2) |" in out  # section 2: its own row
 
 
 def test_lambda_rows_pick_one_form_of_a_corrector():

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from ais_lightning.toolkit.profiling import LOOP_KEY, decode_step_costs, rollup
 from tests.tools.load_tool import load_tool
 
 
 def test_decode_step_costs_subtract_the_prefill_and_divide_by_steps():
-    tool = load_tool("profile_rollout")
     prefill = {"mm": (10.0, 4), "silu": (2.0, 2)}
     full = {"mm": (40.0, 16), "silu": (5.0, 8), "bmm": (9.0, 6)}  # bmm: decode only
-    rows = tool.decode_step_costs(prefill, full, steps=3)
+    rows = decode_step_costs(prefill, full, steps=3)
     assert rows == [("mm", 10.0, 4.0), ("bmm", 3.0, 2.0), ("silu", 1.0, 2.0)]
     with pytest.raises(ValueError, match="steps"):
-        tool.decode_step_costs(prefill, full, steps=0)
+        decode_step_costs(prefill, full, steps=0)
 
 
 def test_tiny_run_reports_consistent_totals(tmp_path):
@@ -41,10 +41,9 @@ def test_the_model_forward_can_be_profiled(tmp_path):
 
 
 def test_rollup_sums_call_chains_over_their_first_functions():
-    tool = load_tool("profile_rollout")
     rows = [("a > b", 3.0, 2.0), ("a", 1.0, 1.0), ("a > c > d", 2.0, 4.0), ("e", 0.5, 1.0)]
-    assert tool.rollup(rows, 1) == [("a", 6.0, 1.0), ("e", 0.5, 1.0)]
-    assert tool.rollup(rows, 2) == [
+    assert rollup(rows, 1) == [("a", 6.0, 1.0), ("e", 0.5, 1.0)]
+    assert rollup(rows, 2) == [
         ("a > b", 3.0, 2.0),
         ("a > c", 2.0, 0.0),
         ("a", 1.0, 1.0),
@@ -60,5 +59,5 @@ def test_decode_step_by_function(tmp_path):
     rows = result["decode_functions"]
     assert result["decode_functions_ms_per_step"] == pytest.approx(sum(ms for _, ms, _ in rows))
     # only chains entered at every decode step: the prefill's are left out
-    assert all(calls > 0 or name == tool.LOOP_KEY for name, _, calls in rows)
+    assert all(calls > 0 or name == LOOP_KEY for name, _, calls in rows)
     assert "decode step by function" in tool.markdown(result, 5)

@@ -150,26 +150,27 @@ def sweep(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_table_values_are_the_hand_computed_means_and_stds(sweep):
+def test_table_values_are_the_hand_computed_means_and_t_intervals(sweep):
     header, rows = _table((sweep["out"] / "report.md").read_text())
     assert header[:3] == ["rollout.precision", "corrector.name", "n seeds"]
     assert len(rows) == 5  # fp32/none, fp8/{none,ais}, int8/{none,ais}
-    # sample std of two values a, b is |a - b| / sqrt(2): 0.1 -> 0.071, 0.2 -> 0.141
+    # two values a, b: sample std |a - b| / sqrt(2), 95% t-interval 12.706 (t, 1 degree of freedom) x std / sqrt(2)
+    # = 6.353 |a - b|: 0.1 -> 0.635, 0.2 -> 1.271
     fp8_none = _row(rows, "fp8", "none")
     assert fp8_none["n seeds"] == "2"
-    assert fp8_none["final val acc"] == "0.450 ± 0.071"  # 0.4, 0.5
-    assert fp8_none["best val acc"] == "0.550 ± 0.071"  # 0.6, 0.5
+    assert fp8_none["final val acc"] == "0.450 ± 0.635"  # 0.4, 0.5
+    assert fp8_none["best val acc"] == "0.550 ± 0.635"  # 0.6, 0.5
     assert fp8_none["val acc gain"] == "+0.300 ± 0.000"  # 0.4 - 0.1, 0.5 - 0.2
-    assert fp8_none["final reward"] == "0.850 ± 0.071"  # summary/reward_last 0.8, 0.9
-    assert fp8_none["mean mismatch KL"] == "2.50e-03 ± 7.07e-04"  # run means 2e-3, 3e-3
-    assert fp8_none["rollout tok/s"] == "300.0 ± 141.4"  # run means 200, 400
-    assert fp8_none["wall time/run (s)"] == "70.0 ± 14.1"  # 60, 80
-    assert _row(rows, "fp32", "none")["best val acc"] == "0.700 ± 0.141"  # 0.6, 0.8
-    assert _row(rows, "fp32", "none")["mean mismatch KL"] == "2.50e-06 ± 7.07e-07"
-    assert _row(rows, "int8", "ais")["final val acc"] == "0.500 ± 0.141"  # 0.4, 0.6
-    assert _row(rows, "int8", "ais")["val acc gain"] == "+0.500 ± 0.141"  # 0.4 - 0, 0.6 - 0
+    assert fp8_none["final reward"] == "0.850 ± 0.635"  # summary/reward_last 0.8, 0.9
+    assert fp8_none["mean mismatch KL"] == "2.50e-03 ± 6.35e-03"  # run means 2e-3, 3e-3
+    assert fp8_none["rollout tok/s"] == "300.0 ± 1270.6"  # run means 200, 400
+    assert fp8_none["wall time/run (s)"] == "70.0 ± 127.1"  # 60, 80
+    assert _row(rows, "fp32", "none")["best val acc"] == "0.700 ± 1.271"  # 0.6, 0.8
+    assert _row(rows, "fp32", "none")["mean mismatch KL"] == "2.50e-06 ± 6.35e-06"
+    assert _row(rows, "int8", "ais")["final val acc"] == "0.500 ± 1.271"  # 0.4, 0.6
+    assert _row(rows, "int8", "ais")["val acc gain"] == "+0.500 ± 1.271"  # 0.4 - 0, 0.6 - 0
     # no summary metrics for int8/ais: last reward/mean (0.5, 0.7)
-    assert _row(rows, "int8", "ais")["final reward"] == "0.600 ± 0.141"
+    assert _row(rows, "int8", "ais")["final reward"] == "0.600 ± 1.271"
     # the FAILED fp8/ais seed-2 run (accuracy 0) is not averaged: 0.55, 0.55
     assert _row(rows, "fp8", "ais")["n seeds"] == "2"
     assert _row(rows, "fp8", "ais")["final val acc"] == "0.550 ± 0.000"
@@ -189,6 +190,7 @@ def test_gap_recovered(sweep):
     assert by_cfg[("int8", "ais")]["gap_recovered"] == pytest.approx(0.625)
     assert by_cfg[("fp8", "none")]["final_val_accuracy"]["mean"] == pytest.approx(0.45)
     assert by_cfg[("fp8", "none")]["final_val_accuracy"]["std"] == pytest.approx(0.1 / math.sqrt(2))
+    assert by_cfg[("fp8", "none")]["final_val_accuracy"]["half_width"] == pytest.approx(12.7062047 * 0.1 / 2)
     fp8_none = by_cfg[
         ("fp8", "none")
     ]  # every run's value, in the order of its seeds (for paired comparisons)
@@ -248,8 +250,9 @@ def test_group_by_and_metric_map_options(sweep, tmp_path, capsys):
     header, rows = _table((tmp_path / "a" / "report.md").read_text())
     assert header[0] == "rollout.precision" and "gap recovered" not in header
     (fp8,) = [r for r in rows if r["rollout.precision"] == "fp8"]
-    # 0.4, 0.5, 0.55, 0.55: mean 0.5, deviations -0.1, 0, 0.05, 0.05 -> var 0.015/3 -> std 0.0707
-    assert fp8["n seeds"] == "4" and fp8["final val acc"] == "0.500 ± 0.071"
+    # 0.4, 0.5, 0.55, 0.55: mean 0.5, deviations -0.1, 0, 0.05, 0.05 -> var 0.015/3 -> std 0.0707; 95% t-interval
+    # 3.182 (t, 3 degrees of freedom) x 0.0707 / sqrt(4) = 0.113
+    assert fp8["n seeds"] == "4" and fp8["final val acc"] == "0.500 ± 0.113"
 
     assert (
         cli.main(args + ["--out", str(tmp_path / "b"), "--metric-map", "val_accuracy=val/accuracy_trainer"])
@@ -278,8 +281,9 @@ def test_several_experiments_pool_their_runs(sweep, tmp_path, capsys):
     text = (out / "report.md").read_text()
     _, rows = _table(text)
     fp8_none = _row(rows, "fp8", "none")
-    # seeds 0, 1 from "sweep" (final 0.4, 0.5) and seed 2 from "sweep-more" (0.6): mean 0.5, std 0.1
-    assert fp8_none["n seeds"] == "3" and fp8_none["final val acc"] == "0.500 ± 0.100"
+    # seeds 0, 1 from "sweep" (final 0.4, 0.5) and seed 2 from "sweep-more" (0.6): mean 0.5, std 0.1, 95%
+    # t-interval 4.303 (t, 2 degrees of freedom) x 0.1 / sqrt(3) = 0.248
+    assert fp8_none["n seeds"] == "3" and fp8_none["final val acc"] == "0.500 ± 0.248"
     assert fp8_none["val acc gain"] == "+0.300 ± 0.000"  # 0.4 - 0.1, 0.5 - 0.2, 0.6 - 0.3
     assert _row(rows, "fp32", "none")["n seeds"] == "2"  # rows the second experiment lacks are unchanged
     assert "several runs with the same seed" in text  # int8/ais seed 1 is in both
@@ -341,7 +345,7 @@ def test_file_store_end_to_end_in_process(tmp_path, monkeypatch, capsys):
     out = tmp_path / "r"
     assert cli.main(["--tracking-uri", uri, "--experiment", "small", "--out", str(out)]) == 0
     _, rows = _table((out / "report.md").read_text())
-    assert _row(rows, "fp8", "none")["final val acc"] == "0.450 ± 0.071"
+    assert _row(rows, "fp8", "none")["final val acc"] == "0.450 ± 0.635"
     assert _row(rows, "fp8", "ais")["final val acc"] == "0.550"  # one seed (the FAILED one excluded)
     # (0.55 - 0.45) / (0.6 - 0.45) with fp32 seed 0 only
     assert _row(rows, "fp8", "ais")["gap recovered"] == "0.667"
@@ -388,7 +392,11 @@ def test_gap_recovered_formula_and_undefined_cases():
 
 
 def test_format_stat():
-    assert format_stat(Stat(0.45, 0.0707, 2), "{:.3f}") == "0.450 ± 0.071"
+    """The mean ± the half-width of its 95% t-interval: 12.706 (t, 1 degree of freedom) x 0.0707 / sqrt(2) = 0.635;
+    4.303 (2 degrees of freedom) x 0.1 / sqrt(3) = 0.248; the count when fewer runs than the row's gave it."""
+    assert format_stat(Stat(0.45, 0.0707, 2), "{:.3f}") == "0.450 ± 0.635"
+    assert format_stat(Stat(0.5, 0.1, 3), "{:.3f}", runs=3) == "0.500 ± 0.248"
+    assert format_stat(Stat(0.5, 0.1, 3), "{:+.3f}", runs=5) == "+0.500 ± 0.248 (3)"
     assert format_stat(Stat(0.45, float("nan"), 1), "{:.3f}") == "0.450"
     assert format_stat(Stat(float("nan"), float("nan"), 0), "{:.3f}") == "-"
 
@@ -518,7 +526,7 @@ def test_report_from_a_real_mlflow_server(tmp_path, capsys):
         cli = _load_cli()
         assert cli.main(["--tracking-uri", url, "--experiment", "served", "--out", str(tmp_path / "r")]) == 0
         _, rows = _table((tmp_path / "r" / "report.md").read_text())
-        assert _row(rows, "fp8", "none")["final val acc"] == "0.450 ± 0.071"
+        assert _row(rows, "fp8", "none")["final val acc"] == "0.450 ± 0.635"
         assert _row(rows, "fp8", "ais")["final val acc"] == "0.550"  # one seed: no ± part
         assert (tmp_path / "r" / "val_accuracy.png").read_bytes()[:8] == PNG_MAGIC
     capsys.readouterr()

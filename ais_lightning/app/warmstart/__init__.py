@@ -46,7 +46,7 @@ A cache entry is a directory ``<cache_dir>/<key>/`` with ``policy.pt`` and ``met
 measured accuracy, steps, history and the key payload), each with a SHA-256 sidecar
 (:mod:`ais_lightning.files`), built under a temporary name and published by one atomic rename. An
 entry that is corrupt or incomplete is named in a warning, discarded and rebuilt. An exclusive lock
-per key (``fcntl``, where available) makes concurrent runs (a joblib sweep) build an entry once: the
+per key (``filelock``) makes concurrent runs (a joblib sweep) build an entry once: the
 others wait and load it.
 
 Modules, one job each

@@ -95,6 +95,7 @@ def warm_start(
     payload = cache_key_payload(policy, tokenizer, task, settings, sft_seed, threads)
     key = cache_key(payload)
     root = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir()
+    _check_cache_writable(root, settings.cache_dir)
     with entry_lock(root, key, "warm start"):
         meta = read_entry(root / key, key, policy)
         if meta is not None:
@@ -128,3 +129,21 @@ def _result(entry: Path, from_cache: bool, meta: dict[str, Any]) -> WarmStartRes
         build_time_s=float(meta.get("build_time_s", float("nan"))),
         history=list(meta.get("history", [])),
     )
+
+
+def _check_cache_writable(root: Path, configured: str | None) -> None:
+    """ValueError naming the key and the way out unless the warm-start cache ``root`` can be created and written
+    (a read-only home used to end in a bare ``mkdir`` traceback)."""
+    from ais_lightning.app.tracking import check_writable
+
+    key = (
+        "warmstart.cache_dir"
+        if configured
+        else "warmstart.cache_dir (unset: $AIS_LIGHTNING_CACHE, else ~/.cache)"
+    )
+    try:
+        check_writable(root, key)
+    except ValueError as err:
+        raise ValueError(
+            f"{err}: set warmstart.cache_dir or $AIS_LIGHTNING_CACHE to a writable directory, or warmstart=disabled"
+        ) from err

@@ -6,8 +6,10 @@ table, one PNG per metric history and a JSON with the aggregated numbers. One jo
 
 - :mod:`ais_lightning.toolkit.report.records`: :class:`RunRecord`, :class:`MetricNames`, :class:`ReportError`;
 - :mod:`ais_lightning.toolkit.report.load`: MLflow store -> run records (:func:`load_runs`);
-- :mod:`ais_lightning.toolkit.report.stats`: grouping, per-run numbers, mean ± std, gap recovered, mean
-  histories (:func:`aggregate`; the column definitions are its module docstring);
+- :mod:`ais_lightning.toolkit.report.stats`: grouping, per-run numbers, means with 95% t-intervals, gap recovered,
+  mean histories (:func:`aggregate`; the column definitions are its module docstring);
+- :mod:`ais_lightning.toolkit.report.intervals`: Student's t-intervals of a mean, of a difference of means
+  (Welch) and of a difference paired by seed;
 - :mod:`ais_lightning.toolkit.report.render`: markdown, JSON-able data, plots;
 - :mod:`ais_lightning.toolkit.report.sweep`: :func:`build_report`, all of the above in one call.
 
@@ -16,6 +18,12 @@ needs a precision key and a corrector key among them (``rollout.precision`` and 
 by default, see :func:`build_report`).
 """
 
+from ais_lightning.toolkit.report.intervals import (
+    CONFIDENCE,
+    mean_half_width,
+    paired_interval,
+    welch_interval,
+)
 from ais_lightning.toolkit.report.load import check_store_exists, load_runs, split_finished
 from ais_lightning.toolkit.report.records import MetricNames, ReportError, RunRecord
 from ais_lightning.toolkit.report.render import (
@@ -48,6 +56,7 @@ from ais_lightning.toolkit.report.sweep import Report, build_report
 
 __all__ = [
     "COLUMNS",
+    "CONFIDENCE",
     "DEFAULT_GROUP_BY",
     "LINE_STYLES",
     "PER_RUN_PARAMS",
@@ -66,7 +75,9 @@ __all__ = [
     "gap_recovered",
     "load_runs",
     "markdown_table",
+    "mean_half_width",
     "mean_history",
+    "paired_interval",
     "plot_metric",
     "report_dict",
     "LEGACY_GROUP_BY",
@@ -75,5 +86,6 @@ __all__ = [
     "run_values",
     "split_finished",
     "varying_params",
+    "welch_interval",
     "write_markdown",
 ]

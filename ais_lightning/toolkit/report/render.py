@@ -16,18 +16,21 @@ from ais_lightning.toolkit.report.records import RunRecord
 from ais_lightning.toolkit.report.stats import COLUMNS, SEED_PARAM, Row, Stat
 
 
-def format_stat(stat: Stat, fmt: str) -> str:
-    """``"0.450 ± 0.071"``, ``"0.450"`` for one run, ``"-"`` when no run logged it."""
+def format_stat(stat: Stat, fmt: str, runs: int | None = None) -> str:
+    """``"0.450 ± 0.635"``: the mean ± the half-width of its 95% t-interval; ``"0.450"`` for one run, ``"-"`` when no
+    run logged it; ``" (2)"`` appended when fewer values than the row's ``runs`` make it."""
     if stat.n == 0:
         return "-"
     text = fmt.format(stat.mean)
     if stat.n > 1:
-        text += " ± " + fmt.replace("+", "").format(stat.std)  # a sign flag is for the mean only
+        text += " ± " + fmt.replace("+", "").format(stat.half_width)  # a sign flag is for the mean only
+    if runs is not None and stat.n != runs:
+        text += f" ({stat.n})"
     return text
 
 
 def markdown_table(rows: list[Row]) -> str:
-    """The table: group keys, n seeds, COLUMNS, and "gap recovered" when any row has one."""
+    """The table: group keys, n seeds, COLUMNS (mean ± 95% t-interval), and "gap recovered" when any row has one."""
     if not rows:
         raise ValueError("rows is empty: nothing to tabulate")
     group_keys = list(rows[0].group)
@@ -41,7 +44,7 @@ def markdown_table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     for row in rows:
         cells = [row.group[k] for k in group_keys] + [str(len(row.run_ids))]
-        cells += [format_stat(row.stats[col], fmt) for col, _, fmt in COLUMNS]
+        cells += [format_stat(row.stats[col], fmt, len(row.run_ids)) for col, _, fmt in COLUMNS]
         if with_gap:
             cells.append("-" if row.gap_recovered is None else f"{row.gap_recovered:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -186,7 +189,7 @@ def report_dict(
                     "n_runs": len(r.run_ids),
                     "run_ids": r.run_ids,
                     "seeds": r.seeds,
-                    **{col: dataclasses.asdict(r.stats[col]) for col, _, _ in COLUMNS},
+                    **{col: _stat_dict(r.stats[col]) for col, _, _ in COLUMNS},
                     "gap_recovered": r.gap_recovered,
                     "histories": r.histories,
                 }
@@ -198,6 +201,11 @@ def report_dict(
             ],
         }
     )
+
+
+def _stat_dict(stat: Stat) -> dict[str, Any]:
+    """A :class:`Stat` as JSON-able data: its fields and ``half_width``, the 95% t-interval's."""
+    return {**dataclasses.asdict(stat), "half_width": stat.half_width}
 
 
 def _slug(text: str) -> str:

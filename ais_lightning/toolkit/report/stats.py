@@ -1,8 +1,12 @@
-"""Statistics: runs grouped into configurations, per-run numbers, mean ± std, gap recovered, mean histories.
+"""Statistics: runs grouped into configurations, per-run numbers, means with t-intervals, gap recovered, mean
+histories.
 
-Definitions used in the table (per run first, then mean ± sample std (ddof=1) over the runs of a
-configuration; the std is omitted when a configuration has a single run; metric keys are the
-defaults, see ``metric_names`` in report.json for the ones actually read):
+Definitions used in the table (per run first, then over the runs of a configuration the mean ± the half-width of
+its 95% t-interval, t(n - 1) * s / sqrt(n) with s the sample std (ddof=1) and n the runs, the "n seeds" column, or
+the count in brackets when fewer runs logged the metric (Student's t: ``scipy.stats.t``,
+:mod:`ais_lightning.toolkit.report.intervals`); the interval is omitted when a configuration has a single run;
+report.json also keeps the std; metric keys are the defaults, see ``metric_names`` in report.json for the ones
+actually read):
 
 - final / best validation accuracy: the value at the highest logged step / the maximum over steps;
 - val acc gain: final minus first (lowest-step) validation accuracy of the same run, so a spread
@@ -31,6 +35,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from ais_lightning.toolkit.report.intervals import mean_half_width
 from ais_lightning.toolkit.report.records import MetricNames, RunRecord
 
 DEFAULT_GROUP_BY = ("rollout", "corrector")
@@ -60,7 +65,7 @@ PLOTTED = (
 
 @dataclass
 class Stat:
-    """Mean and sample standard deviation of one quantity over the runs of a configuration."""
+    """Mean, sample standard deviation and t-interval of one quantity over the runs of a configuration."""
 
     mean: float
     """Mean over the runs that have the quantity (nan if none has it)."""
@@ -71,6 +76,11 @@ class Stat:
     values: list[float] = field(default_factory=list)
     """Every run's value, in the row's run order (``Row.seeds``; nan where a run lacks it): what a
     comparison paired by seed reads."""
+
+    @property
+    def half_width(self) -> float:
+        """Half-width of the 95% t-interval of the mean, t(n - 1) * std / sqrt(n); nan with fewer than 2 values."""
+        return mean_half_width(self.std, self.n)
 
 
 @dataclass
@@ -84,7 +94,7 @@ class Row:
     seeds: list[str]
     """Their ``seed`` params (``"?"`` when not logged)."""
     stats: dict[str, Stat]
-    """Column name -> mean/std over the runs (see COLUMNS)."""
+    """Column name -> mean, std and t-interval over the runs (see COLUMNS)."""
     histories: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """MetricNames field -> ``{"step": [...], "mean": [...], "std": [...]}`` over the runs."""
     gap_recovered: float | None = None

@@ -93,46 +93,9 @@ def build_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    plots: dict[str, Path] = {}
-    skipped: dict[str, str] = {}
-    for fname, label, log_y in PLOTTED:
-        key = getattr(names, fname)
-        png = plot_metric(rows, fname, out / f"{_slug(fname)}.png", ylabel=f"{label} ({key})", log_y=log_y)
-        if png is None:
-            skipped[fname] = f"metric {key!r} not logged by any finished run"
-        else:
-            plots[fname] = png
-    for key in extra:
-        png = plot_metric(rows, key, out / f"{_slug(key)}.png", ylabel=key)
-        if png is None:
-            skipped[key] = f"metric {key!r} not logged by any finished run"
-        else:
-            plots[key] = png
-
-    notes = []
-    within = sorted(
-        {
-            k
-            for row in rows
-            for k in varying_params([r for r in finished if r.run_id in row.run_ids], PER_RUN_PARAMS)
-        }
-    )
-    if within:
-        notes.append(
-            f"params that differ within a row (averaged together; add to --group-by to split): {within}"
-        )
-    if any(len(set(row.seeds)) < len(row.seeds) for row in rows):
-        notes.append("some rows hold several runs with the same seed")
-    if not any(r.gap_recovered is not None for r in rows):
-        if precision_key in keys and corrector_key in keys:
-            why = (
-                f"it needs {baseline_precision} and {no_correction!r} rows at the same other group values, "
-                "and a nonzero gap"
-            )
-        else:
-            why = f"it needs {precision_key!r} and {corrector_key!r} among the group keys"
-        notes.append(f"no 'gap recovered' column: {why}")
-
+    plots, skipped = _plots(rows, names, extra, out)
+    gap_keys = (precision_key, corrector_key, baseline_precision, no_correction)
+    notes = _notes(rows, finished, keys, *gap_keys)
     md = write_markdown(
         rows,
         out / "report.md",
@@ -157,3 +120,63 @@ def build_report(
     js = out / "report.json"
     js.write_text(json.dumps(report_dict(rows, excluded, meta), indent=1))
     return Report(markdown=md, json=js, plots=plots, skipped_plots=skipped, rows=rows, excluded=excluded)
+
+
+def _plots(
+    rows: list[Row], names: MetricNames, extra: list[str], out: Path
+) -> tuple[dict[str, Path], dict[str, str]]:
+    """One PNG per PLOTTED metric and per ``extra`` key in ``out``: ``(plots, skipped)``, the PNGs by MetricNames
+    field (or key) and why the others were not drawn."""
+    plots: dict[str, Path] = {}
+    skipped: dict[str, str] = {}
+    for fname, label, log_y in PLOTTED:
+        key = getattr(names, fname)
+        png = plot_metric(rows, fname, out / f"{_slug(fname)}.png", ylabel=f"{label} ({key})", log_y=log_y)
+        if png is None:
+            skipped[fname] = f"metric {key!r} not logged by any finished run"
+        else:
+            plots[fname] = png
+    for key in extra:
+        png = plot_metric(rows, key, out / f"{_slug(key)}.png", ylabel=key)
+        if png is None:
+            skipped[key] = f"metric {key!r} not logged by any finished run"
+        else:
+            plots[key] = png
+    return plots, skipped
+
+
+def _notes(
+    rows: list[Row],
+    finished: list[RunRecord],
+    keys: list[str],
+    precision_key: str,
+    corrector_key: str,
+    baseline_precision: str,
+    no_correction: str,
+) -> list[str]:
+    """The report's notes: params that differ within a row, rows holding one seed twice, and why there is no
+    gap-recovered column when there is none."""
+    notes = []
+    within = sorted(
+        {
+            k
+            for row in rows
+            for k in varying_params([r for r in finished if r.run_id in row.run_ids], PER_RUN_PARAMS)
+        }
+    )
+    if within:
+        notes.append(
+            f"params that differ within a row (averaged together; add to --group-by to split): {within}"
+        )
+    if any(len(set(row.seeds)) < len(row.seeds) for row in rows):
+        notes.append("some rows hold several runs with the same seed")
+    if not any(r.gap_recovered is not None for r in rows):
+        if precision_key in keys and corrector_key in keys:
+            why = (
+                f"it needs {baseline_precision} and {no_correction!r} rows at the same other group values, "
+                "and a nonzero gap"
+            )
+        else:
+            why = f"it needs {precision_key!r} and {corrector_key!r} among the group keys"
+        notes.append(f"no 'gap recovered' column: {why}")
+    return notes

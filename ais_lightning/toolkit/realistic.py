@@ -1,4 +1,5 @@
-"""A tiny Qwen3 with the weight and activation magnitudes of a real LLM, for FP8 scale tests (not a test module).
+"""A tiny Qwen3 with the weight and activation magnitudes of a real LLM, for FP8 scale checks (the GPU tests and
+``tools/gpu_smoke.py``).
 
 HF's initializer (std 0.02, as trained LLM weights are) and, per layer, three "massive activation" MLP
 channels (Sun et al. 2024, "Massive Activations in Large Language Models"): their gate/up rows are 30x

@@ -1,0 +1,175 @@
+"""Tables of the asynchronous GRPO evidence (docs/async.md section 7) from an MLflow store: what staleness costs at
+each precision, what each corrector recovers, paired by seed.
+
+Per run: the final greedy validation accuracy at the trainer's precision (``val/accuracy_trainer``, last value) and at
+the engine's (``val/accuracy_engine``), the mean reward of the last 50 steps, the mean KL k3 of the two sources
+(``mismatch/precision/kl_k3``, ``mismatch/staleness/kl_k3``) and AIS's mean lambda. Runs are grouped by ``--group``
+params (default: rollout, corrector, algorithm.max_staleness; plus algorithm.adaptive_staleness when it varies).
+
+Tables (markdown on stdout, and ``--json``):
+
+1. every cell's mean final accuracy over seeds ± the half-width of its 95% t-interval [seeds];
+2. the cost of staleness: per precision and corrector, accuracy at staleness k minus at staleness 0, paired by seed;
+3. what a corrector recovers: per precision and staleness, (corrector - none), paired by seed;
+4. the two sources: mean KL of each part and lambda per cell.
+
+A difference is given as mean ± its standard error and the 95% t-interval's half-width (``t(n-1) s_d / sqrt(n)``);
+"> 2 SE" marks a difference larger than two standard errors.
+
+    python tools/async_report.py --tracking-uri http://127.0.0.1:5077 --experiment async_default --json a.json
+    python tools/async_report.py --tracking-uri ... --experiment async_varying --group rollout,corrector,\
+algorithm.max_staleness,algorithm.adaptive_staleness --baseline-param algorithm.max_staleness --baseline-value 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ais_lightning.toolkit.report.intervals import paired_interval
+
+METRICS = {
+    "acc_trainer": ("val/accuracy_trainer", "last"),
+    "acc_engine": ("val/accuracy_engine", "last"),
+    "reward_last50": ("reward/mean", "last50"),
+    "kl_precision": ("mismatch/precision/kl_k3", "mean"),
+    "kl_staleness": ("mismatch/staleness/kl_k3", "mean"),
+    "kl_whole": ("mismatch/kl_k3", "mean"),
+    "lambda": ("ais/lambda", "mean"),
+    "staleness": ("staleness/mean", "mean"),
+    "bound": ("staleness/bound", "mean"),
+}
+
+
+def load(uri: str, experiment: str) -> list[dict[str, Any]]:
+    """Every FINISHED run of ``experiment``: its params and the per-run values of :data:`METRICS`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise SystemExit(f"no experiment {experiment!r} at {uri}")
+    runs = []
+    for run in client.search_runs([exp.experiment_id], max_results=5000):
+        if run.info.status != "FINISHED":
+            continue
+        values: dict[str, float] = {}
+        for name, (key, how) in METRICS.items():
+            history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+            xs = [m.value for m in history if math.isfinite(m.value)]
+            if not xs:
+                continue
+            values[name] = xs[-1] if how == "last" else statistics.fmean(xs[-50:] if how == "last50" else xs)
+        runs.append({"params": dict(run.data.params), "values": values})
+    return runs
+
+
+def cells(runs: list[dict[str, Any]], group: list[str]) -> dict[tuple, dict[str, dict[str, float]]]:
+    """(group values) -> seed -> values."""
+    out: dict[tuple, dict[str, dict[str, float]]] = defaultdict(dict)
+    for run in runs:
+        key = tuple(run["params"].get(g, "-") for g in group)
+        out[key][run["params"].get("seed", "?")] = run["values"]
+    return out
+
+
+def mean_interval(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    if len(xs) < 2:
+        return f"{xs[0]:.3f} [1]"
+    from ais_lightning.toolkit.report.intervals import mean_half_width
+
+    return f"{statistics.fmean(xs):.3f} ± {mean_half_width(statistics.stdev(xs), len(xs)):.3f} [{len(xs)}]"
+
+
+def paired(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]], metric: str) -> dict[str, float]:
+    """a - b over the seeds both have."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s][metric] - b[s][metric] for s in seeds if metric in a[s] and metric in b[s]]
+    mean, half, n = paired_interval(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(n) if n >= 2 else float("nan")
+    return {"mean": mean, "se": se, "half_width": half, "n": n}
+
+
+def show(d: dict[str, float]) -> str:
+    if not math.isfinite(d["mean"]):
+        return "-"
+    mark = " **> 2 SE**" if math.isfinite(d["se"]) and abs(d["mean"]) > 2 * d["se"] > 0 else ""
+    return f"{d['mean']:+.3f} (SE {d['se']:.3f}; ±{d['half_width']:.3f}) [{d['n']}]{mark}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tracking-uri", required=True)
+    parser.add_argument("--experiment", action="append", required=True, help="repeatable: pooled")
+    parser.add_argument("--group", default="rollout,corrector,algorithm.max_staleness")
+    parser.add_argument("--metric", default="acc_trainer", choices=sorted(METRICS))
+    parser.add_argument(
+        "--baseline-param", default="algorithm.max_staleness", help="the staleness table's axis"
+    )
+    parser.add_argument("--baseline-value", default="0")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    runs = [r for e in args.experiment for r in load(args.tracking_uri, e)]
+    group = args.group.split(",")
+    table = cells(runs, group)
+    m = args.metric
+    print(
+        f"## {', '.join(args.experiment)}: {len(runs)} finished runs; metric {m} ({METRICS[m][0]}, {METRICS[m][1]})\n"
+    )
+    print("| " + " | ".join(group) + f" | {m} | reward (last 50) | KL precision | KL staleness | lambda |")
+    print("|" + " --- |" * (len(group) + 5))
+    report: dict[str, Any] = {"cells": {}, "staleness_cost": {}, "corrector_gain": {}}
+    for key in sorted(table):
+
+        def col(name: str, seeds: dict[str, dict[str, float]] = table[key]) -> list[float]:
+            return [v[name] for v in seeds.values() if name in v]
+
+        def fmt(xs: list[float]) -> str:
+            return f"{statistics.fmean(xs):.2e}" if xs else "-"
+
+        print(
+            "| " + " | ".join(key) + f" | {mean_interval(col(m))} | {mean_interval(col('reward_last50'))} | "
+            f"{fmt(col('kl_precision'))} | {fmt(col('kl_staleness'))} | {mean_interval(col('lambda'))} |"
+        )
+        report["cells"][" ".join(key)] = {name: col(name) for name in METRICS}
+    axis = group.index(args.baseline_param) if args.baseline_param in group else None
+    if axis is not None:
+        print(f"\n### The cost of {args.baseline_param} (minus {args.baseline_value}), paired by seed: {m}\n")
+        print("| " + " | ".join(g for g in group) + " | difference |")
+        print("|" + " --- |" * (len(group) + 1))
+        for key in sorted(table):
+            if key[axis] == args.baseline_value:
+                continue
+            base = key[:axis] + (args.baseline_value,) + key[axis + 1 :]
+            if base in table:
+                d = paired(table[key], table[base], m)
+                report["staleness_cost"][" ".join(key)] = d
+                print("| " + " | ".join(key) + f" | {show(d)} |")
+    if "corrector" in group:
+        c = group.index("corrector")
+        print(f"\n### What a corrector recovers (minus none), paired by seed: {m}\n")
+        print("| " + " | ".join(group) + " | difference |")
+        print("|" + " --- |" * (len(group) + 1))
+        for key in sorted(table):
+            if key[c] == "none":
+                continue
+            base = key[:c] + ("none",) + key[c + 1 :]
+            if base in table:
+                d = paired(table[key], table[base], m)
+                report["corrector_gain"][" ".join(key)] = d
+                print("| " + " | ".join(key) + f" | {show(d)} |")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -116,6 +116,8 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
+            min_p=s.min_p,
+            record_support=s.replay_support,
             max_new_tokens=s.max_new_tokens,
             stop_token_ids=[policy.tokenizer.eos_token_id],
         )

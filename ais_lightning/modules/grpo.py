@@ -125,7 +125,7 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         self.staleness = StalenessStep(policy, s) if s.max_staleness > 0 or workers is not None else None
         """The asynchronous mode's bookkeeping (snapshots, pi_v, the bound); None in the synchronous loop."""
         split = self.staleness is not None and self.staleness.scorer is not None
-        self.step_metrics = StepMetrics(moe_layers=len(moe_routers(policy.model)), with_split=split)
+        self.step_metrics = StepMetrics(len(moe_routers(policy.model)), split, corrector.diagnostic_params())
         self.engines = RolloutEngines(engine_factory, eval_engine_factory)
         self.bad_steps = 0  # consecutive rollout steps whose numbers were not finite
         self.history: list[

@@ -180,6 +180,17 @@ def test_truncated_sampling_with_a_corrector_is_replayed_and_refused_only_where_
     validate(make("rollout=vllm_cpu", "algorithm.top_p=0.9", "corrector=none"))
 
 
+def test_a_run_has_one_clip_bound_the_correctors():
+    """corrector.c=4: the diagnostics GRPOModule builds from the corrector count ratios beyond 4 and compute AIS's
+    lambda with the corrector's own parameters (tests/modules/test_grpo_module.py checks the logged values)."""
+    from ais_lightning.diagnostics import MismatchDiagnostics
+
+    corrector = validate(make("corrector=ais", "corrector.c=4")).corrector
+    metrics = MismatchDiagnostics(params=corrector.diagnostic_params())
+    assert metrics["ratio_frac_above"].c == 4.0 and metrics["ais_lambda"].params == corrector.params
+    assert validate(make("corrector=tis", "corrector.c_high=3")).corrector.diagnostic_params().c == 3.0
+
+
 def test_a_policy_and_an_engine_of_different_model_families_are_refused():
     with pytest.raises(ValueError, match="masked_diffusion"):
         validate(make("policy=tiny_llada"))  # with the autoregressive default rollout=int8

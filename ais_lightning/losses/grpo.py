@@ -37,8 +37,8 @@ Clamps of the k3 term (:func:`reference_k3`): the log-ratio log(ref / pi_theta) 
 ``calculate_kl``): the weighted term v * k3 clamped to [-kl_clamp, kl_clamp] (NeMo's ``kl_output_clamp_value``,
 default 10), and v detached on the tokens where the +-20 clamp binds. Off (None, the default) the two differ from
 NeMo's on exactly the tokens with v * k3 > kl_clamp: NeMo counts kl_clamp and no gradient there, we count v * k3
-with its gradient (a token whose reference probability is e^10 ~ 2e4 times pi_theta's, or whose v is large);
-anywhere else the values and gradients are the same.
+with its gradient (at kl_clamp = 10 and v = 1: ref / pi_theta above 13.6 or below e^-11); and where the +-20 clamp
+binds with v * k3 <= kl_clamp, NeMo drops v's gradient and we keep it. Elsewhere the values and gradients agree.
 
 Two ways to use the rollout policy mu (the low-precision engine), following verl's rollout
 correction docs ("decoupled" vs "bypass" mode) and Fu et al. 2025, "AReaL" (arXiv 2505.24298),

@@ -23,7 +23,8 @@ from ais_lightning.rollout.factory import (
     engine_precisions,
     validate_engine_config,
 )
-from ais_lightning.rollout.sampling import sample_next, sampling_logprobs, truncation_mask
+from ais_lightning.rollout.sampling import draw_next, sample_next, sampling_logprobs, truncation_mask
+from ais_lightning.rollout.support import SamplingSupport
 from ais_lightning.rollout.te_engine import TERolloutEngine
 from ais_lightning.rollout.torch_engine import PRECISIONS, TorchRolloutEngine
 
@@ -40,10 +41,12 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "SamplingConfig",
+    "SamplingSupport",
     "TERolloutEngine",
     "TorchRolloutEngine",
     "VLLMRolloutEngine",
     "build_engine",
+    "draw_next",
     "engine_class",
     "engine_class_of",
     "engine_precisions",

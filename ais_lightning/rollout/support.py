@@ -89,6 +89,23 @@ class SamplingSupport:
         """The memory it holds."""
         return self.counts.numel() * self.counts.element_size() + self.ids.numel() * self.ids.element_size()
 
+    @staticmethod
+    def cat(parts: list[SamplingSupport], width: int) -> SamplingSupport:
+        """The rows of ``parts`` one after the other, as one support of ``width`` response positions (each part's
+        own positions first, the rest with no kept token), ids padded with -1 to the longest row."""
+        rows = sum(p.counts.shape[0] for p in parts)
+        longest = max((p.ids.shape[1] for p in parts), default=0)
+        dev = parts[0].counts.device if parts else None
+        counts = torch.zeros((rows, width), dtype=torch.int32, device=dev)  # [B, T]
+        ids = torch.full((rows, longest), -1, dtype=torch.int32, device=dev)  # [B, L]
+        row = 0
+        for p in parts:
+            n = p.counts.shape[0]
+            counts[row : row + n, : p.counts.shape[1]] = p.counts
+            ids[row : row + n, : p.ids.shape[1]] = p.ids
+            row += n
+        return SamplingSupport(counts, ids)
+
     def flat(self, mask: torch.Tensor) -> FlatSupport:
         """The kept sets of the positions ``mask`` (``[B, T]`` bool, the batch's response mask), row-major (the order
         of ``x[mask]``), as tensors autograd may save; ValueError naming the tensor when the support does not fit the

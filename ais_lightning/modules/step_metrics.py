@@ -27,7 +27,9 @@ class StepMetrics(nn.Module):
     the run's corrector (``corrector.diagnostic_params()``: its clip bound C, lower bound and AIS's lambda
     parameters), so that a run has one C."""
 
-    def __init__(self, moe_layers: int = 0, with_split: bool = False, params: AISParams | None = None) -> None:
+    def __init__(
+        self, moe_layers: int = 0, with_split: bool = False, params: AISParams | None = None
+    ) -> None:
         super().__init__()
         self.mismatch = MismatchDiagnostics(prefix="mismatch/", params=params)  # the corrector's C and lambda
         self.split = MismatchSplit(prefix="mismatch/") if with_split else None

@@ -195,8 +195,8 @@ def replay_probe_class() -> type:
     class ReplayProbe(GRPOModule):
         records: list[dict[str, float]]
 
-        def build_experience(self, batch, prompts, fields, keep_graph=False):
-            exp, stats = super().build_experience(batch, prompts, fields, keep_graph)
+        def build_experience(self, batch, prompts, fields, *args, **kwargs):
+            exp, stats = super().build_experience(batch, prompts, fields, *args, **kwargs)
             if exp is None or batch.support is None:
                 return exp, stats
             mask = batch.response_mask  # every valid token

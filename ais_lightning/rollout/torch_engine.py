@@ -53,8 +53,8 @@ from ais_lightning.rollout.engine_args import (
 )
 from ais_lightning.rollout.kv_cache import FP8KVScales, KVWorkspace
 from ais_lightning.rollout.prompts import check_generate_args, context_length, left_pad
-from ais_lightning.rollout.sampling import check_uniforms, draw_next, make_generator, truncates
-from ais_lightning.rollout.support import SupportRecorder
+from ais_lightning.rollout.sampling import check_uniforms, draw_next, make_generator
+from ais_lightning.rollout.support import support_recorder
 from ais_lightning.rollout.torch_model import LeanLlama, lean_unsupported
 from ais_lightning.rollout.weight_sync import load_validated, requantize, validate_sync
 
@@ -649,13 +649,7 @@ class TorchRolloutEngine(RolloutEngine):
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         rows = torch.arange(batch, device=dev)  # original row of each running row
-        kept_sets = (
-            SupportRecorder()
-            if sampling.record_support
-            and sampling.temperature > 0
-            and truncates(self.vocab_size, sampling.top_k, sampling.top_p, sampling.min_p)
-            else None
-        )
+        kept_sets = support_recorder(sampling, self.vocab_size)  # None: nothing to record
         out_rows: torch.Tensor | slice = slice(None)  # rows to write outputs to: all until compaction
         alive = torch.ones(batch, dtype=torch.bool, device=dev)  # [R]
         steps = 0

@@ -195,3 +195,23 @@ def test_the_truncation_mask_is_the_engines_own_even_when_the_trainers_ranking_d
     engine_side = kept_mask(batch.support.flat(mask), scaled.shape[-1])
     assert not torch.equal(trainer_side, engine_side)
     assert bool(engine_side.gather(-1, batch.response_ids[mask][:, None]).all())
+
+
+def test_the_diffusion_sampler_records_each_tokens_set_at_its_unmasking_step():
+    """LLaDA's sampler unmasks positions out of order; each token's recorded set is the one it was drawn from, and
+    the diffusion policy's replayed path log-probs equal mu at fp32 (unrenormalized they carry log pi(S))."""
+    from ais_lightning.policy.diffusion import tiny_diffusion_policy
+
+    policy = tiny_diffusion_policy(seed=0, response_length=8).eval()
+    engine = policy.build_engine(
+        "fp32", block_length=4, steps=4
+    )  # 2 tokens per step, lowest confidence first
+    sampling = SamplingConfig(n=3, max_new_tokens=8, seed=1, top_k=5, top_p=0.8, stop_token_ids=[])
+    batch = engine.generate(policy.encode_prompts(["12+34=", "5+7="]), sampling)
+    mask = batch.response_mask
+    assert int(batch.support.counts[mask].max()) <= 5 and bool(mask.all())
+    with torch.no_grad():
+        replayed = policy.batch_logprobs(batch, 1.0).logprobs
+        unrenormalized = policy.batch_logprobs(dataclasses.replace(batch, support=None), 1.0).logprobs
+    assert float((replayed - batch.rollout_logprobs)[mask].abs().max()) < 1e-5
+    assert float((unrenormalized - batch.rollout_logprobs)[mask].abs().max()) > 0.1

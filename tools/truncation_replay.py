@@ -130,11 +130,12 @@ def score_three_ways(
 
 
 def measure(policy: Any, c: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per (precision, truncation): the per-seed results of :func:`score_three_ways` and their means."""
+    """One row per (precision, truncation): the per-seed results of :func:`score_three_ways` and their means; each
+    row is written to ``--json`` as soon as it is measured."""
     from ais_lightning.rollout import SamplingConfig
     from ais_lightning.tasks import PromptDataModule
     from ais_lightning.toolkit.measure import stop_tokens
-    from ais_lightning.toolkit.probes import engine_factory, training_engine
+    from ais_lightning.toolkit.probes import engine_factory, training_engine, write_json
 
     rows = []
     for precision in args.precisions.split(","):
@@ -156,6 +157,7 @@ def measure(policy: Any, c: Any, args: argparse.Namespace) -> list[dict[str, Any
             for scoring in SCORINGS:
                 row[scoring] = {k: statistics.fmean(r[scoring][k] for r in per_seed) for k in STATS}
             rows.append(row)
+            write_json(args.json, {"args": vars(args), "rows": rows})  # what is done so far survives a stop
             print(
                 f"{precision:>5} {spec:>17}: k3 none {row['none']['kl_k3']:.2e}  trainer {row['trainer']['kl_k3']:.2e} "
                 f"(outside {row['outside']:.2%})  replay {row['replay']['kl_k3']:.2e}",
@@ -308,10 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"policy {cfg.policy._target_}, task {type(c.task).__name__}, torch threads {torch.get_num_threads()}"
     )
-    rows = measure(policy, c, args)
+    rows = measure(policy, c, args)  # writes --json row by row
     print()
     print(markdown(rows))
-    write_json(args.json, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -17,7 +17,7 @@ fractions above 2 and below 1/2, the largest |log ratio|, NeMo-RL's token_mult_p
 and the support's bytes per response position. The table of docs/correctors.md::
 
     python tools/truncation_replay.py --warm-start --json replay_tiny.json
-    python tools/truncation_replay.py --json replay_smollm2.json policy=smollm2
+    python tools/truncation_replay.py --prompts 8 --json replay_smollm2.json policy=smollm2
 
 ``--grpo`` trains instead: a GRPO run of ``--batches`` rollout steps (``ais-train``'s loop, one process, from its
 warm start) with replay, which at every step also runs a copy of the corrector on the same batch scored without

@@ -123,7 +123,8 @@ def _check_router_replay(components: Any, cfg: DictConfig) -> None:
 
 
 def _check_correction(components: Any, cfg: DictConfig) -> None:
-    """One correction of the rollout mismatch, and a mu that a corrector can correct."""
+    """One correction of the rollout mismatch, and a mu that a corrector can correct: with truncated sampling the
+    ratio is exact only when the engine records the tokens it kept and the policy replays them."""
     own = components.loss.own_correction
     if own and not isinstance(components.corrector, NoCorrection):
         raise ValueError(
@@ -131,10 +132,23 @@ def _check_correction(components: Any, cfg: DictConfig) -> None:
             f"(got corrector._target_={cfg.corrector._target_})"
         )
     corrected = own or not isinstance(components.corrector, NoCorrection)
-    if corrected and (components.algorithm.top_p < 1.0 or components.algorithm.top_k > 0):
+    a = components.algorithm
+    if not (corrected and a.truncated):
+        return
+    keys = f"algorithm.top_p={a.top_p}, top_k={a.top_k}, min_p={a.min_p}"
+    if not a.replay_support:
         raise ValueError(
-            "algorithm.top_p/top_k renormalize mu over the kept tokens; with a corrector on keep top_p=1.0 "
-            "and top_k=0"
+            f"{keys} renormalize mu over the tokens the engine keeps; with a corrector on and "
+            "algorithm.replay_support=false the policy scores pi over the whole vocabulary and every ratio pi/mu is "
+            "off by the kept mass: set algorithm.replay_support=true, or turn truncation off (top_p=1.0, top_k=0, "
+            "min_p=0)"
+        )
+    gap = components.engine.engine_class.support_replay_gap(a.top_k, a.top_p, a.min_p)
+    if gap is not None:
+        raise ValueError(
+            f"{keys} with a corrector on needs the tokens the engine kept, replayed in the trainer, but "
+            f"rollout._target_={cfg.rollout._target_} cannot record them: {gap}. Use the torch engine "
+            "(rollout=fp32/bf16/int8/fp8/fp4, ...), or turn truncation off (top_p=1.0, top_k=0, min_p=0)"
         )
 
 

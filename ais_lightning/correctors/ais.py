@@ -689,6 +689,11 @@ class AIS(MixingCorrector):
     def coefficient(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
         return ais_coefficient(stats, self.params)
 
+    def diagnostic_params(self) -> AISParams:
+        """Its own parameters: ``mismatch/ais_lambda`` is then the lambda this corrector computes (before any EMA or
+        ``fixed_lambda``), on the diagnostics' tokens (:meth:`Corrector.diagnostic_params`)."""
+        return self.params
+
 
 def ais_params(**overrides: Any) -> AISParams:
     """The ``AISParams`` that ``AIS(**overrides)`` uses (its defaults for everything not given)."""

@@ -25,7 +25,9 @@ import torch
 
 from ais_lightning import ops
 from ais_lightning.correctors.ais import (
+    AISParams,
     MixingCorrector,
+    ais_params,
     check_flag,
     check_lambda_bounds,
     check_truncation,
@@ -262,6 +264,10 @@ class AISv1(MixingCorrector):
     def c(self) -> float:
         """The truncation C."""
         return self.params.c
+
+    def diagnostic_params(self) -> AISParams:
+        """C = its truncation ``c`` (:meth:`Corrector.diagnostic_params`; ``mismatch/ais_lambda`` stays AIS v2's)."""
+        return ais_params(c=self.params.c)
 
     @property
     def coefficient_kwargs(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ais_lightning import ops
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import Corrector, RawCorrection, check_bounds, check_level, level_ratio
 from ais_lightning.correctors.distributed import all_reduce_sum
 
@@ -95,6 +96,10 @@ class BatchNormalizedTIS(Corrector):
             clipped = clipped | (ratio < self.c_low)
         weights, factor = batch_normalize(truncated, mask, self.level)  # [B, T]
         return RawCorrection(weights, mask, clipped & mask, {"tis/batch_norm_factor": factor})
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``c_high``, the lower bound ``c_low`` (:meth:`Corrector.diagnostic_params`)."""
+        return ais_params(c=self.c_high, c_low=self.c_low)
 
     def extra_repr(self) -> str:
         return f"level={self.level!r}, c_high={self.c_high}, c_low={self.c_low}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import Corrector, RawCorrection, check_bounds, check_level, level_ratio
 
 
@@ -61,6 +62,10 @@ class IcePop(Corrector):
         zeroed = mask & ~inside  # [B, T]
         frac = zeroed.sum().double() / mask.sum().clamp(min=1).double()
         return RawCorrection(weights, mask, zeroed, {"icepop/zeroed_frac": frac})
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``c_high``, the lower bound ``c_low`` (:meth:`Corrector.diagnostic_params`)."""
+        return ais_params(c=self.c_high, c_low=self.c_low, base="mis")
 
     def extra_repr(self) -> str:
         return f"level={self.level!r}, c_low={self.c_low}, c_high={self.c_high}"

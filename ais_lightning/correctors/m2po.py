@@ -28,6 +28,7 @@ import math
 import torch
 
 from ais_lightning import ops
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import Corrector, RawCorrection
 from ais_lightning.correctors.distributed import all_gather_values, all_reduce_sum
 
@@ -102,6 +103,10 @@ class M2PO(Corrector):
             "m2po/masked_frac": n_masked / count.clamp(min=1.0),
         }
         return RawCorrection(torch.exp(delta), keep, torch.zeros_like(mask), extra)
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``c_high`` when set, else AIS's default (:meth:`Corrector.diagnostic_params`)."""
+        return ais_params() if self.c_high is None else ais_params(c=self.c_high, base="mis")
 
     def extra_repr(self) -> str:
         return f"tau={self.tau}, c_high={self.c_high}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import Corrector, RawCorrection, check_bounds, check_level, level_ratio
 
 
@@ -62,6 +63,10 @@ class MIS(Corrector):
             vetoed = (mask & (torch.exp(delta) < self.veto)).any(dim=-1, keepdim=True)  # [B, 1]
             keep = keep & ~vetoed
         return RawCorrection(ratio, keep, torch.zeros_like(mask), {})
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``c_high``, the lower bound ``c_low`` (:meth:`Corrector.diagnostic_params`)."""
+        return ais_params(c=self.c_high, c_low=self.c_low, base="mis")
 
     def extra_repr(self) -> str:
         return f"level={self.level!r}, c_low={self.c_low}, c_high={self.c_high}, veto={self.veto}"

@@ -42,6 +42,7 @@ import math
 import torch
 
 from ais_lightning import ops
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import LEVELS, Corrector, RawCorrection, level_ratio
 from ais_lightning.correctors.batch_norm import batch_normalize
 
@@ -248,6 +249,10 @@ class DivergenceRejection(Corrector):
         if self.tis_batch_normalize:
             weights, extra["tis/batch_norm_factor"] = batch_normalize(weights, mask, self.tis_level)
         return RawCorrection(weights, keep, keep & (ratio > self.tis_c_high), extra)  # clipped among kept
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``tis_c_high`` with ``tis_level`` set, else AIS's default (:meth:`Corrector.diagnostic_params`)."""
+        return ais_params() if self.tis_level is None else ais_params(c=self.tis_c_high)
 
     def extra_repr(self) -> str:
         criteria = ", ".join(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import Corrector, RawCorrection, check_bounds, check_level, level_ratio
 
 
@@ -55,6 +56,10 @@ class TIS(Corrector):
         if self.c_low is not None:
             clipped = clipped | (ratio < self.c_low)
         return RawCorrection(weights, mask, clipped & mask, {})
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``c_high``, the lower bound ``c_low`` (module :meth:`Corrector.diagnostic_params`)."""
+        return ais_params(c=self.c_high, c_low=self.c_low)
 
     def extra_repr(self) -> str:
         return f"level={self.level!r}, c_high={self.c_high}, c_low={self.c_low}"

@@ -27,6 +27,7 @@ import torch
 
 from ais_lightning import ops
 from ais_lightning.correctors.advantage import token_advantages
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.correctors.base import Corrector, RawCorrection
 
 LOG_W_MIN = math.log(1e-8)
@@ -127,6 +128,12 @@ class VESPO(Corrector):
             "vespo/token_clipped_frac": outside.sum().double() / mask.sum().clamp(min=1).double(),
         }
         return RawCorrection(phi.float(), mask, torch.zeros_like(mask), extra)
+
+    def diagnostic_params(self) -> AISParams:
+        """C = ``token_c_high`` (else AIS's default), the lower bound ``token_c_low``
+        (:meth:`Corrector.diagnostic_params`)."""
+        c = {} if self.token_c_high is None else {"c": self.token_c_high}
+        return ais_params(**c, c_low=self.token_c_low)
 
     def extra_repr(self) -> str:
         return (

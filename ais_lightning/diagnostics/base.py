@@ -48,6 +48,18 @@ def check_threshold(value: float, name: str, minimum: float, inclusive: bool = T
         )
 
 
+def ratio_band(c: float, c_low: float | None = None) -> float:
+    """The lower edge of the ratio band ``[c_low, c]`` (``c_low`` None: ``1 / c``, verl's convention), after checking
+    ``c >= 1`` and ``c_low`` in [0, 1]: ValueError naming the argument."""
+    check_threshold(c, "c", 1.0)
+    if c_low is None:
+        return 1.0 / float(c)
+    check_threshold(c_low, "c_low", 0.0)
+    if c_low > 1.0:
+        raise ValueError(f"c_low must be in [0, 1] (the ratio 1 stays in the band), got {c_low!r}")
+    return float(c_low)
+
+
 def sequence_mask(mask: torch.Tensor) -> torch.Tensor:
     """True for sequences with at least one valid token.  # [B]"""
     return mask.any(dim=-1)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torchmetrics import Metric, MetricCollection
 
-from ais_lightning.correctors.ais import ais_params
+from ais_lightning.correctors.ais import AISParams, ais_params
 from ais_lightning.diagnostics.ais_coefficient import AISCoefficient
 from ais_lightning.diagnostics.alignment import (
     JensenShannon,
@@ -31,7 +31,11 @@ from ais_lightning.diagnostics.weights import AbsLogRatio, ClippedRatioMoment, S
 
 
 def MismatchDiagnostics(  # noqa: N802
-    prefix: str = "mismatch/", c: float = 2.0, tasks: Sequence[str] = (), **metric_kwargs: Any
+    prefix: str = "mismatch/",
+    c: float | None = None,
+    tasks: Sequence[str] = (),
+    params: AISParams | None = None,
+    **metric_kwargs: Any,
 ) -> MetricCollection:
     """All mismatch metrics with ``update(train_logprobs, rollout_logprobs, mask)``, as one collection.
 
@@ -52,9 +56,12 @@ def MismatchDiagnostics(  # noqa: N802
     (``JensenShannon("is")``), ``js_divergence_error`` (``JensenShannon("log_cosh")``),
     ``probs_diff_mean``, ``probs_diff_max``, ``probs_diff_std`` (``ProbabilityDiff``), ``probs_pearson``
     (``ProbabilityCorrelation``), ``kl_k3_std``, ``kl_k3_max`` (``MismatchKLStatistic``). NeMo-RL's
-    ``gen_kl_error`` is ``kl_k3``. ``c`` is the clip bound C for the ratio fractions and
-    clamps, and the truncation C of ``ais_lambda`` (other AIS hyper-parameters keep their
-    defaults). ``tasks``: task names; each adds ``by_task/<task>/kl_k3_mean``, ``_std`` and ``_max``
+    ``gen_kl_error`` is ``kl_k3``. ``params``: the hyper-parameters shared with the run's corrector
+    (``corrector.diagnostic_params()``), so that a run has one clip bound: ``params.c`` is the C of the
+    ratio fractions and clamps (``ratio_frac_above``: w > C; ``ratio_frac_below``: w < ``params.c_low``, or
+    1/C without one; ``ratio_std``, ``ess_clipped`` clamp to that band; ``seq_ratio_frac_*`` likewise) and
+    ``ais_lambda`` is AIS v2's lambda with ``params`` (an ``AIS`` corrector's own: its lambda). Without
+    ``params``, ``c`` (default 2.0) with AIS's other defaults; both given must agree. ``tasks``: task names; each adds ``by_task/<task>/kl_k3_mean``, ``_std`` and ``_max``
     (prime-rl's ``mismatch_kl/<env>/...``), and ``update`` then needs ``tasks=`` (one name per row).
     ``metric_kwargs`` (e.g. ``sync_on_compute``) go to every metric.
 
@@ -79,6 +86,11 @@ def MismatchDiagnostics(  # noqa: N802
     """
     # One piece on purpose: a flat list of the collection's metrics in the order they are logged (its length is the
     # docstring naming each); split, the list would only be harder to read whole.
+    if params is None:
+        params = ais_params(c=2.0 if c is None else c)
+    elif c is not None and float(c) != params.c:
+        raise ValueError(f"c={c} disagrees with params.c={params.c}: give one of them")
+    c, c_low = params.c, params.c_low
     metrics: dict[str, Metric] = {
         "kl_k1": MismatchKL("k1", **metric_kwargs),
         "kl_k3": MismatchKL("k3", **metric_kwargs),
@@ -88,8 +100,8 @@ def MismatchDiagnostics(  # noqa: N802
         "ppl_ratio": PerplexityRatio(**metric_kwargs),
     }
     for stat in ("mean", "min", "max", "frac_above", "frac_below"):
-        metrics[f"ratio_{stat}"] = RatioStatistic(stat, c=c, **metric_kwargs)
-    metrics["ais_lambda"] = AISCoefficient("lambda", params=ais_params(c=c), **metric_kwargs)  # AIS v2
+        metrics[f"ratio_{stat}"] = RatioStatistic(stat, c=c, c_low=c_low, **metric_kwargs)
+    metrics["ais_lambda"] = AISCoefficient("lambda", params=params, **metric_kwargs)  # AIS v2
     for policy in ("train", "rollout"):
         metrics[f"{policy}_ppl"] = SequencePerplexity(policy, **metric_kwargs)
         metrics[f"{policy}_log_ppl"] = SequencePerplexity(policy, log=True, **metric_kwargs)
@@ -101,10 +113,10 @@ def MismatchDiagnostics(  # noqa: N802
         ("ppl_ratio_seq", "exp_mean"),
     ):
         metrics[name] = LogPerplexityDiff(stat, **metric_kwargs)
-    metrics["ratio_std"] = ClippedRatioMoment("std", c=c, **metric_kwargs)
-    metrics["ess_clipped"] = ClippedRatioMoment("ess", c=c, **metric_kwargs)
+    metrics["ratio_std"] = ClippedRatioMoment("std", c=c, c_low=c_low, **metric_kwargs)
+    metrics["ess_clipped"] = ClippedRatioMoment("ess", c=c, c_low=c_low, **metric_kwargs)
     for stat in ("mean", "std", "max", "min", "max_deviation", "frac_above", "frac_below"):
-        metrics[f"seq_ratio_{stat}"] = SequenceRatioStatistic(stat, c=c, **metric_kwargs)
+        metrics[f"seq_ratio_{stat}"] = SequenceRatioStatistic(stat, c=c, c_low=c_low, **metric_kwargs)
     for stat in ("mean", "max"):
         metrics[f"abs_log_ratio_{stat}"] = AbsLogRatio(stat, **metric_kwargs)
     metrics["psis_khat"] = PSISKHat("token", **metric_kwargs)

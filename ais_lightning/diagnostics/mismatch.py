@@ -20,8 +20,8 @@ from torchmetrics import Metric
 from ais_lightning.diagnostics.base import (
     STATE_DTYPE,
     LogRatioMeanMetric,
-    check_threshold,
     checked_log_ratio,
+    ratio_band,
     sequence_mask,
 )
 from ais_lightning.ops import masked_sum, sequence_log_ratio
@@ -117,17 +117,19 @@ class RatioStatistic(LogRatioMeanMetric):
     """Raw (pre-correction) token-level statistic of w = pi / mu over valid tokens.
 
     ``stat``: ``mean`` (1.0 when empty), ``min`` / ``max`` (extremes, 1.0 when empty),
-    ``frac_above`` = fraction of tokens with w > c, ``frac_below`` = fraction with w < 1/c (0.0 when
-    empty). ``c`` >= 1 is the clip bound C of TIS/AIS (docs/design.md section 4).
+    ``frac_above`` = fraction of tokens with w > c, ``frac_below`` = fraction with w < c_low (default 1/c;
+    0.0 when empty). ``c`` >= 1 is the clip bound C of the run's corrector (``Corrector.diagnostic_params``),
+    ``c_low`` its lower bound when it has one.
     """
 
-    def __init__(self, stat: str = "mean", c: float = 2.0, **kwargs: Any) -> None:
+    def __init__(self, stat: str = "mean", c: float = 2.0, c_low: float | None = None, **kwargs: Any) -> None:
         if stat not in RATIO_STATS:
             raise ValueError(f"stat must be one of {RATIO_STATS}, got {stat!r}")
-        check_threshold(c, "c", 1.0)
+        low = ratio_band(c, c_low)
         super().__init__(**kwargs)
         self.stat = stat
         self.c = float(c)
+        self.c_low = low
         self.empty_value = 0.0 if stat.startswith("frac") else 1.0
         if stat in ("min", "max"):
             init = math.inf if stat == "min" else -math.inf
@@ -138,7 +140,7 @@ class RatioStatistic(LogRatioMeanMetric):
         if self.stat == "frac_above":
             return (w > self.c).to(delta.dtype), mask
         if self.stat == "frac_below":
-            return (w < 1.0 / self.c).to(delta.dtype), mask
+            return (w < self.c_low).to(delta.dtype), mask
         return w, mask
 
     def _accumulate(self, values: torch.Tensor, valid: torch.Tensor) -> None:

@@ -23,8 +23,8 @@ from torchmetrics import Metric
 from ais_lightning.diagnostics.base import (
     STATE_DTYPE,
     LogRatioMeanMetric,
-    check_threshold,
     checked_log_ratio,
+    ratio_band,
     sequence_mask,
 )
 from ais_lightning.ops import masked_mean, masked_sum
@@ -35,28 +35,30 @@ ABS_LOG_RATIO_STATS = ("mean", "max")
 
 
 class ClippedRatioMoment(Metric):
-    """Std or normalised ESS of the token ratios clamped to [1/c, c] (verl ``rollout_is_std`` / ``_eff_sample_size``).
+    """Std or normalised ESS of the token ratios clamped to [c_low, c] (verl ``rollout_is_std`` / ``_eff_sample_size``).
 
-    With w_c = clamp(w, 1/c, c) over the N valid tokens:
+    With w_c = clamp(w, c_low, c) over the N valid tokens (``c_low`` None: 1/c, verl's):
 
     - ``std``: sqrt(max(mean(w_c^2) - mean(w_c)^2, 0)) (population std, as verl); 0.0 when empty.
     - ``ess``: (sum w_c)^2 / (N sum w_c^2) in (0, 1] (verl: 1 / mean((w_c / mean w_c)^2), the same up to
       its 1e-8 guard); 1.0 when empty. ``EffectiveSampleSize`` is the unclamped version.
 
-    verl clamps with its ``rollout_is_threshold`` C (default 2.0); ``c`` here.
+    verl clamps with its ``rollout_is_threshold`` C (default 2.0); ``c`` here. A ``c_low`` of 0 is allowed for
+    ``std``; ``ess`` needs ``c_low`` > 0 (w_c > 0).
     """
 
     full_state_update = False
     is_differentiable = False
     higher_is_better: bool | None = None
 
-    def __init__(self, stat: str = "std", c: float = 2.0, **kwargs: Any) -> None:
+    def __init__(self, stat: str = "std", c: float = 2.0, c_low: float | None = None, **kwargs: Any) -> None:
         if stat not in CLIPPED_MOMENTS:
             raise ValueError(f"stat must be one of {CLIPPED_MOMENTS}, got {stat!r}")
-        check_threshold(c, "c", 1.0)
+        low = ratio_band(c, c_low)
         super().__init__(**kwargs)
         self.stat = stat
         self.c = float(c)
+        self.c_low = low
         self.add_state("sum_w", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
         self.add_state("sum_w2", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
@@ -70,7 +72,7 @@ class ClippedRatioMoment(Metric):
     ) -> None:
         """``log_ratio``: optional precomputed ``ops.log_ratio(train_logprobs, rollout_logprobs, mask)``."""
         delta = checked_log_ratio(train_logprobs, rollout_logprobs, mask, log_ratio)  # [B, T]
-        w_c = torch.exp(delta).clamp(1.0 / self.c, self.c)  # [B, T]
+        w_c = torch.exp(delta).clamp(self.c_low, self.c)  # [B, T]
         self.sum_w += masked_sum(w_c, mask)
         self.sum_w2 += masked_sum(w_c * w_c, mask)
         self.count += mask.sum()
@@ -80,7 +82,7 @@ class ClippedRatioMoment(Metric):
         if self.stat == "std":
             var = (self.sum_w2 / n - (self.sum_w / n) ** 2).clamp(min=0.0)
             return torch.where(self.count > 0, var.sqrt(), torch.zeros_like(var))
-        # w_c >= 1/c > 0, so sum_w2 > 0 whenever count > 0.
+        # w_c >= c_low; with c_low = 0 every clamped ratio may be 0, hence the guard.
         ess = self.sum_w**2 / (n * self.sum_w2).clamp(min=torch.finfo(STATE_DTYPE).tiny)
         return torch.where(self.count > 0, ess, torch.ones_like(ess))
 
@@ -90,7 +92,7 @@ class SequenceRatioStatistic(Metric):
 
     ``stat``: ``mean``, ``std`` (Bessel-corrected, as torch's ``std`` in verl; 0 for < 2 responses),
     ``max``, ``min``, ``max_deviation`` (max_i |s_i - 1|), ``frac_above`` (s_i > c), ``frac_below``
-    (s_i < 1/c). Over responses with at least one valid token (verl: all B rows). Empty: 1.0 for
+    (s_i < c_low, default 1/c). Over responses with at least one valid token (verl: all B rows). Empty: 1.0 for
     mean / max / min, 0.0 otherwise. Raw (untruncated) token ratios, as verl computes these before
     truncation.
     """
@@ -99,13 +101,14 @@ class SequenceRatioStatistic(Metric):
     is_differentiable = False
     higher_is_better = None
 
-    def __init__(self, stat: str = "mean", c: float = 2.0, **kwargs: Any) -> None:
+    def __init__(self, stat: str = "mean", c: float = 2.0, c_low: float | None = None, **kwargs: Any) -> None:
         if stat not in SEQUENCE_RATIO_STATS:
             raise ValueError(f"stat must be one of {SEQUENCE_RATIO_STATS}, got {stat!r}")
-        check_threshold(c, "c", 1.0)
+        low = ratio_band(c, c_low)
         super().__init__(**kwargs)
         self.stat = stat
         self.c = float(c)
+        self.c_low = low
         self.add_state("total", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
         self.add_state("total_sq", default=torch.tensor(0.0, dtype=STATE_DTYPE), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
@@ -127,7 +130,7 @@ class SequenceRatioStatistic(Metric):
         if self.stat == "frac_above":
             value = (s > self.c).to(STATE_DTYPE)
         elif self.stat == "frac_below":
-            value = (s < 1.0 / self.c).to(STATE_DTYPE)
+            value = (s < self.c_low).to(STATE_DTYPE)
         elif self.stat == "max_deviation":
             value = (s - 1.0).abs()
         else:

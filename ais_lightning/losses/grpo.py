@@ -32,6 +32,14 @@ expectation under mu is the gradient of KL(pi_theta || ref) when v = pi_theta / 
   log-probs by default). It corrects the drift of pi_theta over several updates, not the rollout
   mismatch pi_old / mu. In bypass mode pi_old is mu, so "old" is "rollout".
 
+Clamps of the k3 term (:func:`reference_k3`): the log-ratio log(ref / pi_theta) is clamped to +-20 (as NeMo-RL's
+``kl_input_clamp_value`` = 20). ``kl_clamp`` adds NeMo-RL's other two (``nemo_rl/algorithms/utils.py``,
+``calculate_kl``): the weighted term v * k3 clamped to [-kl_clamp, kl_clamp] (NeMo's ``kl_output_clamp_value``,
+default 10), and v detached on the tokens where the +-20 clamp binds. Off (None, the default) the two differ from
+NeMo's on exactly the tokens with v * k3 > kl_clamp: NeMo counts kl_clamp and no gradient there, we count v * k3
+with its gradient (at kl_clamp = 10 and v = 1: ref / pi_theta above 13.6 or below e^-11); and where the +-20 clamp
+binds with v * k3 <= kl_clamp, NeMo drops v's gradient and we keep it. Elsewhere the values and gradients agree.
+
 Two ways to use the rollout policy mu (the low-precision engine), following verl's rollout
 correction docs ("decoupled" vs "bypass" mode) and Fu et al. 2025, "AReaL" (arXiv 2505.24298),
 decoupled PPO:
@@ -150,6 +158,29 @@ def importance_ratio(logprobs: torch.Tensor, base_logprobs: torch.Tensor) -> tor
     return torch.exp((logprobs - base_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def reference_k3(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor:
+    """The k3 estimate of KL(pi_theta || ref) per token, ``weight`` * k3 when a weight is given.  # [B, T]
+
+    k3 = exp(r) - r - 1 with r = clamp(log ref - log pi_theta, +-20) (Schulman 2020), >= 0. ``clamp`` (NeMo-RL's
+    ``calculate_kl`` with ``kl_output_clamp_value``): the result is clamped to [-clamp, clamp], and ``weight`` is
+    detached on the tokens where the +-20 clamp of r binds (its gradient would multiply a clamped k3). None: no
+    output clamp, ``weight`` keeps its gradient everywhere.
+    """
+    raw = ref_logprobs - logprobs  # [B, T]
+    log_ref_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], >= 0
+    if weight is not None:
+        if clamp is not None:
+            weight = torch.where(raw == log_ref_ratio, weight, weight.detach())
+        k3 = weight * k3  # [B, T]
+    return k3 if clamp is None else k3.clamp(-clamp, clamp)
+
+
 def check_identity_weights(weights: torch.Tensor, mask: torch.Tensor, loss_name: str) -> None:
     """Raise ValueError unless ``weights`` is 1 on every valid token (``NoCorrection``'s output).
 
@@ -193,13 +224,6 @@ def clipped_surrogate(
     return torch.where(dual_active, pg_dual, pg), clipped, dual_active  # [B, T] each
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimate of KL(pi_theta || ref) per token, ``exp(d) - d - 1`` with ``d = log ref - log pi_theta``
-    clamped to +-20: non-negative, differentiable in ``logprobs``.  # [B, T]"""
-    log_ref_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
-    return torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [B, T], >= 0
-
-
 def clip_stats(
     ratio: torch.Tensor, clipped: torch.Tensor, dual_active: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
@@ -228,6 +252,8 @@ class GRPOLoss(PolicyLoss):
             ``"old"`` (pi_theta / pi_old: TRL ``use_bias_correction_kl``, slime ``--use-unbiased-kl``) or
             ``"rollout"`` (pi_theta / mu: NeMo-RL ``use_on_policy_kl_approximation``; needs
             ``rollout_logprobs``). Unbiased for KL(pi_theta || ref) on mu's samples only with ``"rollout"``.
+        kl_clamp: None (default) or NeMo-RL's clamps of the k3 term (module docstring; NeMo's default 10): v * k3
+            clamped to at most ``kl_clamp`` and v detached where the +-20 log-ratio clamp binds; > 0.
         entropy_coef: weight of the entropy bonus (subtracted); >= 0 (needs ``entropy`` when > 0).
         aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``.
         max_response_length: the constant normalizer of ``seq-mean-token-sum-norm``.
@@ -256,6 +282,7 @@ class GRPOLoss(PolicyLoss):
         mode: str = "decoupled",
         mismatch_penalty_coef: float = 0.0,
         kl_ratio: str = "none",
+        kl_clamp: float | None = None,
     ) -> None:
         super().__init__()
         if not (0.0 <= epsilon_low <= 1.0):
@@ -297,13 +324,21 @@ class GRPOLoss(PolicyLoss):
         if kl_ratio not in KL_RATIOS:
             raise ValueError(f"kl_ratio must be one of {KL_RATIOS}, got {kl_ratio!r}")
         self.kl_ratio = kl_ratio
+        if kl_clamp is not None and (
+            isinstance(kl_clamp, bool)
+            or not isinstance(kl_clamp, (int, float))
+            or not 0 < kl_clamp < math.inf
+        ):
+            raise ValueError(f"kl_clamp must be None or a finite number > 0, got {kl_clamp!r}")
+        self.kl_clamp = None if kl_clamp is None else float(kl_clamp)
 
     def extra_repr(self) -> str:
         return (
             f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, dual_clip={self.dual_clip}, "
             f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}, aggregation={self.aggregation!r}, "
             f"max_response_length={self.max_response_length}, mode={self.mode!r}, "
-            f"mismatch_penalty_coef={self.mismatch_penalty_coef}, kl_ratio={self.kl_ratio!r}"
+            f"mismatch_penalty_coef={self.mismatch_penalty_coef}, kl_ratio={self.kl_ratio!r}, "
+            f"kl_clamp={self.kl_clamp}"
         )
 
     @property
@@ -475,12 +510,13 @@ class GRPOLoss(PolicyLoss):
     ) -> torch.Tensor:
         """The aggregated k3 KL(pi_theta || ref) term, weighted by ``kl_ratio``'s importance ratio; records
         ``loss/kl`` (and ``loss/kl_ratio_mean``) in ``stats``. ``logp`` / ``old``: masked, in the loss's dtype."""
-        k3 = k3_kl(logp, masked_as(ref_logprobs.detach(), mask, logp.dtype))  # [B, T], >= 0
+        kl_weight = None
         if self.kl_ratio != "none":
             base = old if self.kl_ratio == "old" else masked_as(rollout_logprobs.detach(), mask, logp.dtype)
             kl_weight = importance_ratio(logp, base)  # [B, T], with grad through logp
-            k3 = kl_weight * k3  # [B, T]
             stats["loss/kl_ratio_mean"] = masked_mean(kl_weight.detach(), mask).item()
+        ref = masked_as(ref_logprobs.detach(), mask, logp.dtype)  # [B, T]
+        k3 = reference_k3(logp, ref, kl_weight, self.kl_clamp)  # [B, T], weighted, clamped with kl_clamp
         kl = self._aggregate(k3, mask, denominator)
         stats["loss/kl"] = kl.item()
         return kl

@@ -117,6 +117,8 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
+            min_p=s.min_p,
+            record_support=s.replay_support,
             max_new_tokens=s.max_new_tokens,
             stop_token_ids=[policy.tokenizer.eos_token_id],
         )
@@ -125,7 +127,7 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         self.staleness = StalenessStep(policy, s, loss.trust_region) if async_mode else None
         """The asynchronous mode's bookkeeping (snapshots, pi_v, the bound); None in the synchronous loop."""
         split = self.staleness is not None and self.staleness.scorer is not None
-        self.step_metrics = StepMetrics(moe_layers=len(moe_routers(policy.model)), with_split=split)
+        self.step_metrics = StepMetrics(len(moe_routers(policy.model)), split, corrector.diagnostic_params())
         self.engines = RolloutEngines(engine_factory, eval_engine_factory)
         self.bad_steps = 0  # consecutive rollout steps whose numbers were not finite
         self.history: list[dict[str, float]] = []  # per rollout step (history_entry), checkpointed

@@ -32,9 +32,18 @@ class GRPOSettings:
     temperature: float = 1.0
     """Sampling temperature (> 0; the trainer's log-probs use the same)."""
     top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; keep 1.0 with a corrector on (it renormalizes mu)."""
+    """Nucleus sampling mass in (0, 1]; 1.0 = off. Like ``top_k`` and ``min_p`` it renormalizes mu over the tokens
+    it keeps; with ``replay_support`` the policy renormalizes pi over the same tokens (``RolloutBatch.support``)."""
     top_k: int = 0
-    """Top-k sampling (0 = off); keep 0 with a corrector on."""
+    """Top-k sampling (0 = off)."""
+    min_p: float = 0.0
+    """Min-p sampling in [0, 1] (vLLM's ``min_p``: keep the tokens at least ``min_p`` times as likely as the most
+    likely one; 0 = off)."""
+    replay_support: bool = True
+    """With truncation on (``top_p`` < 1, ``top_k`` > 0 or ``min_p`` > 0), the engine records the tokens it kept at
+    every sampled position and the policy renormalizes pi over exactly those (pi_old, the loss's pi, the reference,
+    entropies): pi / mu is then exact (:mod:`ais_lightning.rollout.support`). False: pi over the whole vocabulary,
+    whose ratio to mu carries the kept mass; refused with a corrector."""
     advantage_scale: str = "group"
     """group | batch | none (Dr. GRPO): what the group-centred rewards are divided by."""
     seq_logprob_error_threshold: float | None = None
@@ -138,6 +147,14 @@ class GRPOSettings:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if (
+            isinstance(self.min_p, bool)
+            or not isinstance(self.min_p, (int, float))
+            or not 0.0 <= self.min_p <= 1.0
+        ):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.replay_support, bool):
+            raise ValueError(f"replay_support must be true or false, got {self.replay_support!r}")
         if self.advantage_scale not in ADVANTAGE_SCALES:
             raise ValueError(
                 f"advantage_scale must be one of {list(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}"
@@ -208,6 +225,11 @@ class GRPOSettings:
     def lag(self) -> list[int]:
         """The deterministic mode's lag schedule: ``rollout_lag``, else ``[max_staleness]``."""
         return list(self.rollout_lag) if self.rollout_lag is not None else [self.max_staleness]
+
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling truncates (``top_p`` < 1, ``top_k`` > 0 or ``min_p`` > 0), renormalizing mu."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ais_lightning.correctors.ais import AISParams
 from ais_lightning.diagnostics import ErrorTokenRate, MismatchDiagnostics, RoutingDisagreement, TokenEntropy
 from ais_lightning.models.routing import routing_replay_mask
 from ais_lightning.rollout.base import RolloutBatch
@@ -22,11 +23,15 @@ class StepMetrics(nn.Module):
     """``mismatch/*`` (:func:`MismatchDiagnostics`), ``mismatch/precision|staleness/*`` (:class:`MismatchSplit`, only
     ``with_split``), ``train/entropy``, ``errors/repeat_frac`` and ``errors/low_logprob_frac`` (QaRL's error tokens),
     and for a mixture-of-experts policy (``moe_layers`` > 0) ``routing/disagreement[_layer<i>]``: how often the
-    trainer's own top-k experts differ from the engine's."""
+    trainer's own top-k experts differ from the engine's. ``params``: the hyper-parameters the diagnostics share with
+    the run's corrector (``corrector.diagnostic_params()``: its clip bound C, lower bound and AIS's lambda
+    parameters), so that a run has one C."""
 
-    def __init__(self, moe_layers: int = 0, with_split: bool = False) -> None:
+    def __init__(
+        self, moe_layers: int = 0, with_split: bool = False, params: AISParams | None = None
+    ) -> None:
         super().__init__()
-        self.mismatch = MismatchDiagnostics(prefix="mismatch/")
+        self.mismatch = MismatchDiagnostics(prefix="mismatch/", params=params)  # the corrector's C and lambda
         self.split = MismatchSplit(prefix="mismatch/") if with_split else None
         self.entropy = TokenEntropy()
         self.errors = nn.ModuleDict(

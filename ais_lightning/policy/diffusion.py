@@ -73,6 +73,7 @@ from ais_lightning.policy.builders import PolicySpec
 from ais_lightning.policy.gather import is_fsdp_module
 from ais_lightning.policy.policy import Policy
 from ais_lightning.policy.scoring import LogprobTensors, ResponseLogprobs, chunked_response_logprobs
+from ais_lightning.rollout.support import FlatSupport
 
 if TYPE_CHECKING:
     from ais_lightning.rollout.base import RolloutBatch
@@ -217,14 +218,16 @@ def _score_positions(
     compute_entropy: bool,
     chunk_size: int,
     entropy_grad: bool = True,
+    support: FlatSupport | None = None,
 ) -> LogprobTensors:
     """Body once over ``input_ids`` ``[N, L]``, then the chunked head on the ``score_mask`` positions:
     ``(logprobs, entropy | None, impurity | None)``, ``[N, L]`` each, of ``targets`` under
-    ``softmax(logits / temperature)``."""
+    ``softmax(logits / temperature)``, renormalized over ``support``'s kept sets (in ``score_mask`` order) when
+    given."""
     hidden = model.get_decoder()(input_ids, attention_mask, position_ids)  # [N, L, H]
     out = chunked_response_logprobs(
         model.get_output_embeddings(), hidden, targets, score_mask, temperature, compute_entropy, chunk_size,
-        entropy_grad=entropy_grad,
+        entropy_grad=entropy_grad, support=support,
     )  # fmt: skip
     return out.logprobs, out.entropy, out.impurity
 
@@ -390,10 +393,12 @@ class DiffusionPolicy(Policy):
         compute_entropy: bool = False,
         chunk_size: int = 1024,
         entropy_grad: bool = True,
+        support: FlatSupport | None = None,
     ) -> LogprobTensors:
         """Log-probs (and entropies, impurities) of ``targets`` at the ``score_mask`` positions of the partially
         masked sequences ``input_ids`` ``[N, L]``: ``([N, L], [N, L] | None, [N, L] | None)``, 0 elsewhere. Plain tensors, so FSDP
-        hooks see them; :meth:`batch_logprobs` and :meth:`sft_loss` build the inputs."""
+        hooks see them; :meth:`batch_logprobs` and :meth:`sft_loss` build the inputs. ``support``: the kept sets of
+        the scored positions in ``score_mask`` order (replayed truncation)."""
         return self._scores_fn()(
             input_ids,
             attention_mask,
@@ -404,6 +409,7 @@ class DiffusionPolicy(Policy):
             compute_entropy,
             chunk_size,
             entropy_grad,
+            support,
         )
 
     def response_logprobs(self, *args: Any, **kwargs: Any) -> ResponseLogprobs:
@@ -426,7 +432,9 @@ class DiffusionPolicy(Policy):
         :class:`ais_lightning.rollout.DiffusionRolloutEngine`). Token ``t`` is scored under
         ``softmax(f(x_{s_t}) / temperature)`` at its unmasking step ``s_t``; the entropy is that
         distribution's. One body forward over the distinct (row, step) contexts; gradients flow when enabled
-        (to the entropies only with ``entropy_grad``, as in :meth:`Policy.batch_logprobs`).
+        (to the entropies only with ``entropy_grad``, as in :meth:`Policy.batch_logprobs`). With ``batch.support``
+        (the tokens the engine's top-k / top-p / min-p kept when it drew each token) that distribution is
+        renormalized over the recorded set, as the engine's was.
         """
         prompt_ids, prompt_mask, response_mask, canvas, steps = _unmasking_path(batch)
         b, t = response_mask.shape
@@ -447,6 +455,11 @@ class DiffusionPolicy(Policy):
         rows_s, cols_s = response_mask.nonzero(as_tuple=True)
         score[which[rows_s, cols_s], plen + cols_s] = True
         targets[which[rows_s, cols_s], plen + cols_s] = canvas[rows_s, cols_s]
+        kept = None
+        if batch.support is not None:  # the kept sets, from (row, position) order into the scored order
+            order = torch.full((n, plen + t), -1, dtype=torch.long, device=canvas.device)  # [N, P+T]
+            order[which[rows_s, cols_s], plen + cols_s] = torch.arange(rows_s.numel(), device=canvas.device)
+            kept = batch.support.flat(response_mask).take(order[score])
         lp, ent, imp = self(
             input_ids,
             attention,
@@ -457,6 +470,7 @@ class DiffusionPolicy(Policy):
             compute_entropy,
             self.logprob_chunk_size,
             entropy_grad,
+            kept,
         )
         index = torch.where(response_mask, which, 0)  # [B, T]
         col = torch.arange(t, device=canvas.device)[None, :] + plen  # [1, T]

@@ -61,6 +61,7 @@ from ais_lightning.policy.scoring import (
 
 if TYPE_CHECKING:
     from ais_lightning.rollout.base import RolloutBatch
+    from ais_lightning.rollout.support import SamplingSupport
 
 __all__ = [
     "HEAD_TOLERANCE",
@@ -307,15 +308,17 @@ class Policy(nn.Module):
         chunk_size: int = 1024,
         entropy_grad: bool = True,
         routing: torch.Tensor | None = None,
+        support: SamplingSupport | None = None,
     ) -> LogprobTensors:
         """``(logprobs, entropy, impurity)`` as plain tensors (so FSDP/DDP hooks see them; the last two None
         unless ``compute_entropy``); see :meth:`response_logprobs`."""
         input_ids, attention_mask, position_ids = build_sequences(
             prompt_ids, prompt_mask, response_ids, response_mask
         )
+        kept = support.flat(response_mask) if support is not None else None
         fn = functools.partial(
             self._logprobs_fn(), input_ids, attention_mask, position_ids, response_ids, response_mask,
-            temperature, compute_entropy, chunk_size, entropy_grad,
+            temperature, compute_entropy, chunk_size, entropy_grad, kept,
         )  # fmt: skip
         if self.routing_replay is None:
             return fn()
@@ -335,6 +338,7 @@ class Policy(nn.Module):
         chunk_size: int = 1024,
         entropy_grad: bool = True,
         routing: torch.Tensor | None = None,
+        support: SamplingSupport | None = None,
     ) -> ResponseLogprobs:
         """Log-prob of each response token under ``softmax(logits / temperature)``.
 
@@ -344,10 +348,13 @@ class Policy(nn.Module):
         for pi_old); to the entropies only with ``entropy_grad`` (False: values only, and a lighter backward;
         the log-probs and their gradients are the same either way), never to the impurities. ``routing``: the
         engine's ``[B, P + T, L, k]`` expert ids (``RolloutBatch.routing``), replayed when :attr:`router_replay`.
+        ``support``: the tokens a truncated sampler kept at each response position (``RolloutBatch.support``); each
+        distribution, its log-probs, entropy and impurity, is then the one renormalized over that set
+        (:mod:`ais_lightning.rollout.support`).
         """
         logprobs, entropy, impurity = self(
             prompt_ids, prompt_mask, response_ids, response_mask, temperature, compute_entropy, chunk_size,
-            entropy_grad, routing,
+            entropy_grad, routing, support,
         )  # fmt: skip
         return ResponseLogprobs(logprobs=logprobs, entropy=entropy, impurity=impurity)
 
@@ -368,7 +375,9 @@ class Policy(nn.Module):
         """Log-probs (and entropies) of a rollout batch's response tokens under this policy: pi for the
         importance ratio against the engine's mu. Every model family implements this one method; an
         autoregressive LM scores each token given the prompt and the tokens before it. ``entropy_grad=False``:
-        the entropies are values only (see :meth:`response_logprobs`)."""
+        the entropies are values only (see :meth:`response_logprobs`). When the batch carries the tokens the
+        engine's truncation kept (``batch.support``: top-k, top-p, min-p), pi is renormalized over exactly those,
+        as mu is, so that pi / mu is the exact ratio (:mod:`ais_lightning.rollout.support`)."""
         return self.response_logprobs(
             *(
                 autograd_usable(t)
@@ -379,6 +388,7 @@ class Policy(nn.Module):
             chunk_size=self.logprob_chunk_size,
             entropy_grad=entropy_grad,
             routing=autograd_usable(getattr(batch, "routing", None)),
+            support=batch.support,
         )
 
     def build_engine(self, precision: str = "fp32", **engine_kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ from ais_lightning.ops import (
     logprobs_from_logits,
     tempered_log_softmax,
 )
+from ais_lightning.rollout.support import FlatSupport, kept_mask, replayed_log_softmax
 
 __all__ = [
     "LogprobTensors",
@@ -105,10 +106,13 @@ def _head_logprobs(
     compute_entropy: bool,
     entropy_grad: bool = True,
     head_float32: bool = False,
+    support: FlatSupport | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's head + temperature log-softmax on one chunk: ``hidden`` [n, H], ``tokens`` [n] ->
     log-probs, entropies and impurities, each [n] (zeros unless ``compute_entropy``). ``head_float32``: the
-    head's projection in fp32 (:func:`ais_lightning.models.head.head_logits`).
+    head's projection in fp32 (:func:`ais_lightning.models.head.head_logits`). ``support``: the kept sets of the
+    chunk's n positions; the distribution is then renormalized over them (log-probs, entropies and impurities
+    alike: :mod:`ais_lightning.rollout.support`).
 
     The impurities are values only, and so are the entropies without ``entropy_grad``: autograd records
     only what a loss differentiates. A checkpointed chunk recomputes in backward every tensor its forward
@@ -117,6 +121,19 @@ def _head_logprobs(
     batch instead of being bounded by the chunk.
     """
     logits = transform(head_logits(lm_head, hidden, head_float32))  # [n, V]
+    if support is not None:
+        keep = kept_mask(support, logits.shape[-1])  # [n, V]
+        if not bool(keep.gather(-1, tokens.unsqueeze(-1)).all()):
+            raise ValueError("support: a response token is not in the kept set recorded for its position")
+        logp = replayed_log_softmax(logits, keep, temperature)  # [n, V], over the kept set only
+        logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
+        if not compute_entropy:
+            return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
+        spread = logp if entropy_grad and torch.is_grad_enabled() else logp.detach()
+        entropy = entropy_from_logprobs(spread)
+        with torch.no_grad():
+            impurity = impurity_from_logprobs(logp)
+        return logprobs, entropy, impurity
     logprobs = logprobs_from_logits(logits, tokens, temperature)  # [n]
     if not compute_entropy:
         return logprobs, torch.zeros_like(logprobs), torch.zeros_like(logprobs)
@@ -139,6 +156,7 @@ def chunked_response_logprobs(
     transform: LogitTransform | None = None,
     entropy_grad: bool = True,
     head_float32: bool = False,
+    support: FlatSupport | None = None,
 ) -> ResponseLogprobs:
     """Log-probs (and entropies) of response tokens from the decoder's final hidden states.
 
@@ -153,6 +171,9 @@ def chunked_response_logprobs(
     ``entropy_grad`` (False: values for metrics and correctors), so backward recomputes only what it
     differentiates: with entropy gradients that no loss consumes, every chunk's entropy tensors would stay
     alive to the end of backward (2.8 GB for 2048 tokens of a 49k vocabulary, instead of 1.0 GB).
+    ``support``: the kept sets of the valid tokens in row-major order (``SamplingSupport.flat(response_mask)``):
+    every distribution is then renormalized over its position's set (truncated sampling replayed,
+    :mod:`ais_lightning.rollout.support`).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -165,7 +186,12 @@ def chunked_response_logprobs(
     chunks: list[
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ] = []  # (log-prob, entropy, impurity) [n] each
-    for h, tok in zip(flat_hidden.split(chunk_size), flat_tokens.split(chunk_size)):
+    if support is not None and support.counts.numel() != flat_tokens.numel():
+        raise ValueError(
+            f"support has {support.counts.numel()} positions but the response mask has {flat_tokens.numel()}"
+        )
+    pieces = support.split(chunk_size) if support is not None else [None] * len(flat_tokens.split(chunk_size))
+    for h, tok, kept in zip(flat_hidden.split(chunk_size), flat_tokens.split(chunk_size), pieces):
         if use_checkpoint:
             chunks.append(
                 checkpoint(
@@ -178,13 +204,14 @@ def chunked_response_logprobs(
                     compute_entropy,
                     entropy_grad,
                     head_float32,
+                    kept,
                     use_reentrant=False,
                 )
             )
         else:
             chunks.append(
                 _head_logprobs(
-                    lm_head, transform, h, tok, temperature, compute_entropy, entropy_grad, head_float32
+                    lm_head, transform, h, tok, temperature, compute_entropy, entropy_grad, head_float32, kept
                 )
             )
     zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=hidden.device)  # [B, T]
@@ -206,12 +233,14 @@ def decoder_logprobs(
     compute_entropy: bool,
     chunk_size: int,
     entropy_grad: bool = True,
+    support: FlatSupport | None = None,
 ) -> LogprobTensors:
-    """Run the decoder body of ``model`` once, then the chunked head on the response positions."""
+    """Run the decoder body of ``model`` once, then the chunked head on the response positions (renormalized over
+    ``support``'s kept sets when given)."""
     P = input_ids.shape[1] - response_ids.shape[1]
     hidden = decoder_hidden_states(model, input_ids, attention_mask, position_ids)  # [B, P+T, H]
     result = chunked_response_logprobs(
         model.get_output_embeddings(), hidden[:, P - 1 : -1], response_ids, response_mask,
-        temperature, compute_entropy, chunk_size, transform, entropy_grad, head_float32,
+        temperature, compute_entropy, chunk_size, transform, entropy_grad, head_float32, support,
     )  # fmt: skip
     return result.logprobs, result.entropy, result.impurity

@@ -16,7 +16,8 @@ from ais_lightning.checks import registered
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
 from ais_lightning.rollout.diffusion_engine import DiffusionRolloutEngine
 from ais_lightning.rollout.factory import EngineSpec, engine_class_of
-from ais_lightning.rollout.sampling import sample_next, sampling_logprobs, truncation_mask
+from ais_lightning.rollout.sampling import draw_next, sample_next, sampling_logprobs, truncation_mask
+from ais_lightning.rollout.support import SamplingSupport
 from ais_lightning.rollout.te_engine import TERolloutEngine
 from ais_lightning.rollout.torch_engine import PRECISIONS, TorchRolloutEngine
 from ais_lightning.rollout.vllm_engine import VLLMRolloutEngine
@@ -71,10 +72,12 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "SamplingConfig",
+    "SamplingSupport",
     "TERolloutEngine",
     "TorchRolloutEngine",
     "VLLMRolloutEngine",
     "build_engine",
+    "draw_next",
     "engine_class",
     "engine_class_of",
     "engine_precisions",

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from ais_lightning.ops import take_rows
+from ais_lightning.rollout.support import SamplingSupport
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -59,15 +60,23 @@ class SamplingConfig:
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy (log-probs are then those of the T=1 distribution)."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 = off. It changes mu: keep it off with a corrector on."""
+    """Nucleus sampling mass; 1.0 = off. Like top_k and min_p it renormalizes mu over the tokens it keeps: an engine
+    that records them (``record_support``) lets the trainer renormalize pi over the same set."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 = off. It changes mu like top_p."""
+    """Keep the k most likely tokens; 0 = off."""
+    min_p: float = 0.0
+    """Keep the tokens whose probability is at least ``min_p`` times the most likely one's (vLLM's ``min_p``);
+    0 = off. Applied before top-k and top-p, as in vLLM."""
     max_new_tokens: int = 32
     """Upper bound on response length."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Tokens that end a response (included in the response, last valid token)."""
     seed: int | None = None
     """Seed for reproducible sampling; None draws from the global generator."""
+    record_support: bool = True
+    """With truncation on (min_p, top_k or top_p) and T > 0, record the tokens it kept at every sampled position
+    (``RolloutBatch.support``), which the policy replays (:mod:`ais_lightning.rollout.support`); engines that
+    cannot record it say so (:meth:`RolloutEngine.support_replay_gap`)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -80,6 +89,12 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SamplingConfig.top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:  # also rejects NaN
+            raise ValueError(f"SamplingConfig.min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.record_support, bool):
+            raise ValueError(
+                f"SamplingConfig.record_support must be True or False, got {self.record_support!r}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -103,6 +118,9 @@ class RolloutBatch:
     mixture-of-experts layers, for rollout routing replay (``policy.router_replay``); only the positions of
     ``routing_replay_mask(prompt_mask, response_mask)`` are meaningful. None for dense models and engines that
     do not record routing.
+    ``support``: the tokens the engine's min-p / top-k / top-p truncation kept at each response position
+    (:class:`~ais_lightning.rollout.support.SamplingSupport`), which the policy renormalizes pi over
+    (``Policy.batch_logprobs``); None when nothing was truncated, the draw was greedy, or the engine records none.
     """
 
     prompt_ids: torch.Tensor
@@ -114,6 +132,7 @@ class RolloutBatch:
     prompt_index: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     routing: torch.Tensor | None = None
+    support: SamplingSupport | None = None
 
     def rows(self, index: torch.Tensor) -> RolloutBatch:
         """The rows ``index`` (``[R]`` long) of every field."""
@@ -144,6 +163,9 @@ class RolloutEngine(abc.ABC):
       progressive ``policy.aligned_schedule`` needs it).
     - :attr:`RESERVES_TRAINER_MEMORY` [False]: the engine claims a share of the device memory free when it starts,
       and its constructor takes ``reserve_bytes``, the memory to leave for what the trainer allocates later.
+    - :meth:`support_replay_gap` [the engine records no support]: why ``generate`` cannot record the exact set a
+      truncation keeps (``RolloutBatch.support``), or None when it can; ``ais-train`` refuses a corrector with
+      truncation where it cannot.
     - :meth:`check_args` [returns the arguments as given] and :meth:`check_model` [checks nothing]: validation
       before any engine is built, from the constructor's arguments and from the model.
     - :attr:`precision` [None: not declared] and :attr:`model_impl` [None]: what a built engine runs, for the
@@ -221,6 +243,13 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Sample ``sampling.n`` responses per prompt (rows of one prompt contiguous), with the log-prob of every
         sampled token under the engine's own forward, after temperature."""
+
+    @classmethod
+    def support_replay_gap(cls, top_k: int, top_p: float, min_p: float) -> str | None:
+        """Why ``generate`` cannot record the exact set of tokens this truncation keeps (``RolloutBatch.support``,
+        replayed by the policy so that pi / mu is exact), or None when it records it. Default: the engine records
+        none."""
+        return f"{cls.__name__} does not record the tokens its truncation keeps (RolloutBatch.support)"
 
     @classmethod
     def check_args(cls, **kwargs: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ Models", arXiv 2502.09992, Algorithm 5 and Appendix B.3), also used by d1's diff
 3. At every step the model sees prompt + canvas (bidirectional attention) and a candidate token is
    drawn at every still-masked position of the current block from ``softmax(logits / temperature)``
    (greedy at temperature 0). LLaDA draws it by Gumbel-max in float64; here the same categorical
-   distribution is sampled with :func:`ais_lightning.rollout.sampling.sample_next`, the draw every engine
+   distribution is sampled with :func:`ais_lightning.rollout.sampling.draw_next`, the draw every engine
    of this repository uses, so mu is defined in one place.
 4. ``remasking="low_confidence"``: the ``k`` candidates with the highest probability under
    ``softmax(logits)`` (temperature 1, as LLaDA) are kept, the others re-masked; ``"random"``: ``k``
@@ -55,7 +55,8 @@ from ais_lightning.ops import logprobs_from_logits, pad_sequences
 from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS, default_int8_backend
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, context_length
-from ais_lightning.rollout.sampling import make_generator, sample_next
+from ais_lightning.rollout.sampling import draw_next, make_generator
+from ais_lightning.rollout.support import support_recorder
 from ais_lightning.rollout.weight_sync import check_named_tensors
 
 __all__ = [
@@ -176,6 +177,11 @@ class DiffusionRolloutEngine(RolloutEngine):
     validation accuracy at the trainer's precision (as ``TorchRolloutEngine.TRAINER_PRECISION_COPY``)."""
     MODEL_FAMILY: ClassVar[str] = "masked_diffusion"
     """The model family it samples; a config may pair it only with a policy of the same ``MODEL_FAMILY``."""
+
+    @classmethod
+    def support_replay_gap(cls, top_k: int, top_p: float, min_p: float) -> str | None:
+        """None: the kept set each token was drawn from at its unmasking step is recorded (``RolloutBatch.support``)."""
+        return None
 
     def __init__(
         self,
@@ -383,15 +389,17 @@ class DiffusionRolloutEngine(RolloutEngine):
         attention = torch.cat([prompt_mask, torch.ones_like(canvas, dtype=torch.bool)], dim=1)  # [B, P+T]
         positions = (attention.long().cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
         rows = torch.arange(batch, device=dev)[:, None]  # [B, 1]
+        kept_sets = support_recorder(sampling, self.vocab_size)  # None: nothing to record
         for s, step in enumerate(self.schedule(length)):
             b0, b1, k = step.block_start, step.block_end, step.num_unmask
             hidden = self.body(torch.cat([prompt_ids, canvas], dim=1), attention, positions)  # [B, P+T, H]
             still = unmask_step[:, b0:b1] < 0  # [B, W]; the same count m in every row
             m = int(still[0].sum())
             cand_logits = self.head(hidden[:, plen + b0 : plen + b1][still]).float()  # [B*m, V]
-            tokens, token_lp = sample_next(
-                cand_logits, sampling.temperature, sampling.top_k, sampling.top_p, gen
+            draw = draw_next(
+                cand_logits, sampling.temperature, sampling.top_k, sampling.top_p, gen, min_p=sampling.min_p
             )
+            tokens, token_lp = draw.tokens, draw.logprobs  # [B*m]
             if self.remasking == "low_confidence":  # LLaDA: probability under softmax(logits), temperature 1
                 score = logprobs_from_logits(cand_logits, tokens, 1.0)  # [B*m] (log is monotone)
             else:
@@ -402,6 +410,11 @@ class DiffusionRolloutEngine(RolloutEngine):
             canvas[rows, cols] = tokens.view(batch, m).gather(1, keep)
             logprobs[rows, cols] = token_lp.view(batch, m).gather(1, keep)
             unmask_step[rows, cols] = s
+            if (
+                kept_sets is not None and draw.kept is not None
+            ):  # the sets the unmasked tokens were drawn from
+                chosen = (rows * m + keep).reshape(-1)  # [B*k] their candidates
+                kept_sets.add(rows.expand(-1, k).reshape(-1), cols.reshape(-1), draw.kept[chosen])
 
         mask, stopped = response_end_mask(canvas, sampling.stop_token_ids)  # [B, T], [B]
         return RolloutBatch(
@@ -413,4 +426,5 @@ class DiffusionRolloutEngine(RolloutEngine):
             finish_reason=["stop" if s else "length" for s in stopped.tolist()],
             prompt_index=torch.arange(len(prompts), device=dev).repeat_interleave(n),
             extras={"unmask_step": unmask_step, "canvas_ids": canvas, "canvas_logprobs": logprobs},
+            support=kept_sets.build(mask) if kept_sets is not None else None,
         )

@@ -38,6 +38,7 @@ from ais_lightning.checks import check_int
 from ais_lightning.ops import pad_sequences
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig
 from ais_lightning.rollout.sources import NamedTensors, RolloutRequest, RolloutSource, VersionedRollouts
+from ais_lightning.rollout.support import SamplingSupport
 from ais_lightning.staleness.versions import STALE_POLICIES
 
 log = logging.getLogger(__name__)
@@ -414,6 +415,9 @@ def merge_chunks(chunks: list[tuple[list[int], dict[str, Any]]]) -> tuple[Rollou
         raise ValueError(
             "rollout workers return batches without extras or routing only (autoregressive, dense)"
         )
+    supports = [b.support for b in batches if b.support is not None]
+    if supports and len(supports) != len(batches):
+        raise ValueError("rollout workers returned kept sets (RolloutBatch.support) for some chunks only")
     merged = RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -422,5 +426,6 @@ def merge_chunks(chunks: list[tuple[list[int], dict[str, Any]]]) -> tuple[Rollou
         rollout_logprobs=logprobs,
         finish_reason=[f for b in batches for f in b.finish_reason],
         prompt_index=index,
+        support=SamplingSupport.cat(supports, t) if supports else None,
     )
     return merged, versions

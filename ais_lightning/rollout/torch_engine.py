@@ -54,7 +54,8 @@ from ais_lightning.rollout.engine_args import (
 )
 from ais_lightning.rollout.kv_cache import FP8KVScales, KVWorkspace
 from ais_lightning.rollout.prompts import check_generate_args, context_length, left_pad
-from ais_lightning.rollout.sampling import check_uniforms, make_generator, sample_next
+from ais_lightning.rollout.sampling import check_uniforms, draw_next, make_generator
+from ais_lightning.rollout.support import support_recorder
 from ais_lightning.rollout.torch_model import LeanLlama, lean_unsupported
 from ais_lightning.rollout.weight_sync import load_validated, requantize, validate_sync
 
@@ -289,6 +290,11 @@ class TorchRolloutEngine(RolloutEngine):
     to measure validation accuracy at the trainer's precision beside the engine's; None = no such copy."""
     SUPPORTS_SET_PRECISION: ClassVar[bool] = True
     """:meth:`set_precision` switches between emulated quantized precisions in place (progressive precision)."""
+
+    @classmethod
+    def support_replay_gap(cls, top_k: int, top_p: float, min_p: float) -> str | None:
+        """None: every truncation's kept set is recorded (``RolloutBatch.support``), exactly as the engine drew."""
+        return None
 
     def __init__(
         self,
@@ -653,12 +659,18 @@ class TorchRolloutEngine(RolloutEngine):
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         rows = torch.arange(batch, device=dev)  # original row of each running row
+        kept_sets = support_recorder(sampling, self.vocab_size)  # None: nothing to record
         out_rows: torch.Tensor | slice = slice(None)  # rows to write outputs to: all until compaction
         alive = torch.ones(batch, dtype=torch.bool, device=dev)  # [R]
         steps = 0
         for t in range(new):
             u = noise[rows, t] if noise is not None else None  # [R]
-            tok, lp = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, gen, u)  # [R]
+            draw = draw_next(
+                logits, sampling.temperature, sampling.top_k, sampling.top_p, gen, u, sampling.min_p
+            )
+            tok, lp = draw.tokens, draw.logprobs  # [R]
+            if kept_sets is not None and draw.kept is not None:  # the kept sets of the rows still generating
+                kept_sets.add(rows[alive], t, draw.kept[alive])
             steps = t + 1
             if stop_ids.numel():
                 out_ids[out_rows, t] = torch.where(alive, tok, self.pad_token_id)
@@ -699,6 +711,7 @@ class TorchRolloutEngine(RolloutEngine):
             prompt_index=index,
             extras={"uniforms": uniforms} if uniforms is not None else {},
             routing=routing[:, : prompt_ids.shape[1] + steps] if routing is not None else None,
+            support=kept_sets.build(out_mask[:, :steps]) if kept_sets is not None else None,
         )
 
 

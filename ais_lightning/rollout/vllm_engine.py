@@ -6,6 +6,20 @@ own forward *after temperature* (``logprobs_mode="processed_logprobs"``; with to
 renormalized truncated distribution, as in ``ais_lightning.rollout.sampling``; greedy (T = 0) gives
 the T = 1 log-probs).
 
+Truncated sampling (``min_p``, ``top_k``, ``top_p``; vLLM 0.33's sampler applies them in that order after temperature,
+``v1/sample/sampler.py``): the processed log-probs are ``log_softmax`` of the logits with ``-inf`` on every token the
+truncation dropped (``v1/sample/ops/topk_topp_sampler.py``, ``forward_native``), and with ``logprobs=N`` vLLM returns
+the N largest of them besides the sampled token's (``Sampler.gather_logprobs``). So the kept set is exactly the
+returned tokens with a finite log-prob *whenever one of the N is -inf*: then every kept token is among them.
+With ``top_k`` on, the kept set has at most ``top_k`` tokens plus those tied with the k-th logit (vLLM keeps ties,
+``apply_top_k_top_p_pytorch``: ``logits_sort < kth``), so the engine asks for :func:`support_logprobs` =
+2 ``top_k`` + 1 and records the set (``RolloutBatch.support``); a position where all N are finite (more than
+``top_k`` + ``top_k`` ties) raises ValueError rather than record a set that may be incomplete. Without ``top_k``
+(top-p or min-p alone) the kept set can be as large as the vocabulary and only ``logprobs=-1`` (every log-prob of
+every position, as Python objects) would return it: the engine records no support then
+(:meth:`VLLMRolloutEngine.support_replay_gap` says so, and ``ais-train`` refuses such a truncation with a
+corrector). ``logprob_token_ids`` cannot help: it scores ids chosen before sampling.
+
 Weight sync goes through vLLM's supported in-place reload (``Worker.reload_weights`` via
 ``LLM.collective_rpc``): it re-runs each layer's ``process_weights_after_loading``, which matters on
 CPU where vLLM repacks linear weights for oneDNN and drops the original tensors. The prefix cache
@@ -95,6 +109,8 @@ from ais_lightning.rollout.engine_args import (
 )
 from ais_lightning.rollout.process_state import process_state_kept, rng_state_kept
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, left_pad
+from ais_lightning.rollout.sampling import truncates
+from ais_lightning.rollout.support import SamplingSupport
 from ais_lightning.rollout.weight_sync import check_named_tensors, non_finite
 
 __all__ = [
@@ -113,6 +129,7 @@ __all__ = [
     "request_seeds",
     "select_sync_tensors",
     "straddled_blocks",
+    "support_logprobs",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -148,6 +165,9 @@ FP8_BLOCK = 128
 """Rows (and columns) of the weight tiles of vLLM's ``fp8_per_block`` (``Fp8PerBlockOnlineLinearMethod``)."""
 VLLM_PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """The projections vLLM's Llama-family models load into one merged linear, in order (``packed_modules_mapping``)."""
+DEFAULT_MAX_LOGPROBS = 1024
+"""vLLM's ``max_logprobs`` (a bound its ``SamplingParams`` validation checks, default 20) when ``llm_kwargs`` sets none:
+room for :func:`support_logprobs` up to ``top_k`` = 511."""
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 """KV-cache size on CPU when neither ``gpu_memory_utilization`` nor ``kv_cache_memory_bytes`` is given."""
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -172,6 +192,27 @@ def request_seeds(
         rng = unseeded if unseeded is not None else np.random.default_rng()
         return [int(s) for s in rng.integers(0, 2**63, size=num_prompts, dtype=np.int64)]
     return [int(np.random.SeedSequence([int(seed), i]).generate_state(1)[0] >> 1) for i in range(num_prompts)]
+
+
+def support_logprobs(top_k: int) -> int:
+    """How many of vLLM's top processed log-probs the engine asks for to read back the set ``top_k`` (> 0) keeps:
+    the ``top_k`` tokens, up to ``top_k`` ties with the k-th logit, and one -inf entry that shows the set ended."""
+    return 2 * top_k + 1
+
+
+def _kept_ids(step: Any, requested: int, where: str) -> list[int]:
+    """The token ids with a finite processed log-prob in one position's ``{token_id: Logprob}`` (vLLM's top
+    ``requested`` and the sampled token); ValueError when none of the top ``requested`` is -inf (the set may be
+    larger than what was returned)."""
+    kept = sorted(tok for tok, lp in step.items() if math.isfinite(lp.logprob))
+    if len(kept) >= requested:
+        raise ValueError(
+            f"vLLM returned {requested} finite processed log-probs at {where}: its top-k kept more than "
+            f"{requested - 1} tokens (top_k and as many ties with the k-th logit, which low-precision logits make "
+            "likely), so the kept set cannot be read back exactly. Sample at fp32, use the torch engine, or turn "
+            "truncation off"
+        )
+    return kept
 
 
 def cuda_placement(
@@ -266,22 +307,31 @@ def _batch_to(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
         if isinstance(getattr(batch, f.name), torch.Tensor)
     }
     changes["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    if batch.support is not None:
+        changes["support"] = SamplingSupport(batch.support.counts.to(device), batch.support.ids.to(device))
     return dataclasses.replace(batch, **changes)
 
 
 def pack_outputs(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[Any], n: int, pad_token_id: int
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Any],
+    n: int,
+    pad_token_id: int,
+    support_logprobs: int | None = None,
 ) -> RolloutBatch:
     """Turn vLLM ``RequestOutput``s (one per prompt, in prompt order) into a :class:`RolloutBatch`.
 
     Each output's ``.outputs`` holds ``n`` completions with ``index``, ``token_ids``,
     ``finish_reason`` and ``logprobs`` (one ``{token_id: Logprob}`` dict per generated token). Rows
     are prompt-major and, within a prompt, in completion ``index`` order. A vLLM ``"abort"`` (or any
-    reason other than ``"stop"``) is reported as ``"length"``.
+    reason other than ``"stop"``) is reported as ``"length"``. ``support_logprobs``: the ``logprobs=N`` the
+    request asked for with truncation on; the batch's ``support`` is then read from each position's finite
+    processed log-probs (module docstring). None: no support.
     """
     if len(outputs) != len(prompts):
         raise ValueError(f"got {len(outputs)} vLLM outputs for {len(prompts)} prompts")
     rows: list[tuple[list[int], list[float], str]] = []
+    kept: list[list[list[int]]] = []  # per row, per position: the kept ids
     for i, out in enumerate(outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != n:
@@ -292,6 +342,11 @@ def pack_outputs(
                 raise ValueError(f"vLLM completion {c.index} of prompt {i} has no log-prob per token")
             lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
             rows.append((ids, lps, "stop" if c.finish_reason == "stop" else "length"))
+            if support_logprobs is not None:
+                where = f"prompt {i}, completion {c.index}, token"
+                kept.append(
+                    [_kept_ids(s, support_logprobs, f"{where} {t}") for t, s in enumerate(c.logprobs)]
+                )
     batch, width = len(rows), max(1, max(len(r[0]) for r in rows))
     response_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)  # [B, T]
     response_mask = torch.zeros((batch, width), dtype=torch.bool)  # [B, T]
@@ -309,7 +364,19 @@ def pack_outputs(
         rollout_logprobs=logprobs,
         finish_reason=[r[2] for r in rows],
         prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+        support=_support_of(kept, width) if support_logprobs is not None else None,
     )
+
+
+def _support_of(kept: list[list[list[int]]], width: int) -> SamplingSupport:
+    """A :class:`SamplingSupport` from each row's per-position kept ids (rows padded to ``width`` positions)."""
+    counts = torch.zeros((len(kept), width), dtype=torch.int32)  # [B, T]
+    flat = [[tok for position in row for tok in position] for row in kept]
+    ids = torch.full((len(kept), max((len(f) for f in flat), default=0)), -1, dtype=torch.int32)  # [B, L]
+    for r, (row, f) in enumerate(zip(kept, flat)):
+        counts[r, : len(row)] = torch.tensor([len(p) for p in row], dtype=torch.int32)
+        ids[r, : len(f)] = torch.tensor(f, dtype=torch.int32)
+    return SamplingSupport(counts, ids)
 
 
 def merged_partitions(names: Iterable[str]) -> dict[str, list[str]]:
@@ -506,6 +573,19 @@ class VLLMRolloutEngine(RolloutEngine):
     RESERVES_TRAINER_MEMORY: ClassVar[bool] = True
     """vLLM takes a share of the free device memory when it starts: ``reserve_bytes`` leaves the trainer's share."""
 
+    @classmethod
+    def support_replay_gap(cls, top_k: int, top_p: float, min_p: float) -> str | None:
+        """None with ``top_k`` on (the kept set is read back from vLLM's top processed log-probs); otherwise why not:
+        top-p or min-p alone keep an unbounded set (module docstring)."""
+        if top_k > 0:
+            return None
+        return (
+            "vLLM 0.33 returns the tokens its truncation kept only as the finite entries of its top-N processed "
+            "log-probs; top_p / min_p without top_k keep a set that can be as large as the vocabulary, which only "
+            "logprobs=-1 (every log-prob of every position) returns. Set algorithm.top_k too (the kept set is then "
+            "within the top_k tokens and their ties)"
+        )
+
     def __init__(
         self,
         model: nn.Module | str | os.PathLike[str],
@@ -559,8 +639,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         path = self.model_path = self._model_directory(model)
-        kwargs: dict[str, Any] = dict(enforce_eager=True)
+        kwargs: dict[str, Any] = dict(enforce_eager=True, max_logprobs=DEFAULT_MAX_LOGPROBS)
         kwargs.update(llm_kwargs)
+        self.max_logprobs = int(kwargs["max_logprobs"])
         env = self._place(args["device"], gpu_memory_utilization, kwargs, reserve_bytes)
         if precision == "fp8" and not self.on_cpu:
             kwargs["quantization"] = VLLM_FP8_QUANTIZATION
@@ -752,6 +833,25 @@ class VLLMRolloutEngine(RolloutEngine):
             llm.reset_prefix_cache()
 
     # --------------------------------------------------------------- generate
+    def support_logprobs(self, sampling: SamplingConfig) -> int | None:
+        """The ``logprobs=N`` that reads back the kept set (:func:`support_logprobs`) when ``sampling`` truncates,
+        records support and has ``top_k`` on; None otherwise (no support recorded). ValueError when N exceeds vLLM's
+        ``max_logprobs``."""
+        if not (
+            sampling.record_support
+            and sampling.temperature > 0
+            and sampling.top_k > 0
+            and truncates(self.vocab_size, sampling.top_k, sampling.top_p, sampling.min_p)
+        ):
+            return None
+        wanted = support_logprobs(sampling.top_k)
+        if wanted > self.max_logprobs:
+            raise ValueError(
+                f"top_k={sampling.top_k}: reading back the kept set takes logprobs={wanted}, more than vLLM's "
+                f"max_logprobs={self.max_logprobs}: raise llm_kwargs max_logprobs (rollout.max_logprobs)"
+            )
+        return wanted
+
     def sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list[Any]:
         """vLLM ``SamplingParams`` for each prompt (EOS is ignored: only ``stop_token_ids`` stop). Every request
         carries a seed (:func:`request_seeds`): with ``sampling.seed=None`` from the engine's own generator, seeded
@@ -764,11 +864,12 @@ class VLLMRolloutEngine(RolloutEngine):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
+                min_p=sampling.min_p,
                 max_tokens=sampling.max_new_tokens,
                 stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=True,
                 seed=s,
-                logprobs=0,
+                logprobs=self.support_logprobs(sampling) or 0,
                 detokenize=False,
             )
             for s in request_seeds(sampling.seed, num_prompts, self._unseeded)
@@ -793,7 +894,10 @@ class VLLMRolloutEngine(RolloutEngine):
         )  # every request seeded: the global draws go unused
         with rng_state_kept(cuda=not self.on_cpu):
             outputs = llm.generate(requests, params, use_tqdm=False)
-        return _batch_to(pack_outputs(prompts, outputs, sampling.n, self.pad_token_id), self.device)
+        packed = pack_outputs(
+            prompts, outputs, sampling.n, self.pad_token_id, self.support_logprobs(sampling)
+        )
+        return _batch_to(packed, self.device)
 
     def _open_llm(self) -> Any:
         if self.llm is None:

@@ -184,6 +184,33 @@ def test_collection_names_and_values():
         assert out[name] == pytest.approx(want, rel=1e-6), name
 
 
+def test_the_collection_takes_its_clip_bounds_and_lambda_from_the_correctors_params():
+    """One clip bound per run: with the corrector's params (ratios w = {2, 0.5, 1, 4} of example()), MIS's band
+    [0.6, 3] counts w > 3 and w < 0.6, clamps to it, and ais_lambda is AIS's with those params; AIS(c=4)'s own."""
+    from ais_lightning.correctors import AIS, MIS, NoCorrection
+
+    def run(**kwargs):
+        coll = MismatchDiagnostics(**kwargs)
+        coll.update(*example())
+        return {k.removeprefix("mismatch/"): float(v) for k, v in coll.compute().items()}
+
+    band = run(params=MIS(c_low=0.6, c_high=3.0).diagnostic_params())
+    assert band["ratio_frac_above"] == 0.25 and band["ratio_frac_below"] == 0.25  # 4 > 3; 0.5 < 0.6
+    clamped = torch.tensor([2.0, 0.6, 1.0, 3.0])  # w clamped to [0.6, 3]
+    assert band["ratio_std"] == pytest.approx(float(clamped.std(unbiased=False)), rel=1e-6)
+    default = run()  # C = 2, AIS's defaults: what a corrector without a bound shares
+    assert run(params=NoCorrection().diagnostic_params()) == default == run(c=2.0)
+    assert default["ratio_std"] != band["ratio_std"]
+    ais = AIS(c=4.0)
+    out = ais(*example(), entropy=None)
+    assert run(params=ais.diagnostic_params())["ais_lambda"] == pytest.approx(
+        out.stats["ais/lambda"], rel=1e-6
+    )
+    assert run(c=4.0)["ais_lambda"] != pytest.approx(default["ais_lambda"], rel=1e-3)
+    with pytest.raises(ValueError, match="c=2.0 disagrees with params.c=4.0"):
+        MismatchDiagnostics(c=2.0, params=ais.diagnostic_params())
+
+
 def test_a_precomputed_log_ratio_gives_the_same_values_as_the_log_probs():
     """A training loop computes delta once and hands it to every metric: same result, no re-validation."""
     from ais_lightning import ops

@@ -150,7 +150,7 @@ def test_wrong_type_fails_at_composition_naming_the_key():
         ("loss.aggregation=mean", "loss.aggregation"),
         ("algorithm.mini_batches=3", "algorithm.mini_batches"),
         ("algorithm.temperature=0", "algorithm.temperature"),
-        ("algorithm.top_p=0.9", "top_p"),
+        ("algorithm.min_p=1.5", "algorithm.min_p"),
         ("loss.mode=bypass", "loss.mode=bypass"),
         ("trainer.max_steps=0", "trainer.max_steps"),
     ],
@@ -158,6 +158,35 @@ def test_wrong_type_fails_at_composition_naming_the_key():
 def test_contradictory_values_fail_validation_naming_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate(make(override))
+
+
+def test_truncated_sampling_with_a_corrector_is_replayed_and_refused_only_where_it_cannot_be(monkeypatch):
+    """top-p / top-k / min-p with a corrector: allowed when the engine records the kept sets and the policy replays
+    them (the default); refused with replay off, or with an engine that cannot record them (named, with why)."""
+    c = validate(make("algorithm.top_p=0.9", "algorithm.top_k=20", "corrector=ais"))
+    assert c.algorithm.replay_support and c.engine.engine_class.support_replay_gap(20, 0.9, 0.0) is None
+    validate(make("algorithm.min_p=0.1", "rollout=llada_fp4", "policy=tiny_llada", "experiment=llada_small"))
+    with pytest.raises(ValueError, match="algorithm.replay_support=false"):
+        validate(make("algorithm.top_p=0.9", "algorithm.replay_support=false"))
+    validate(make("algorithm.top_p=0.9", "algorithm.replay_support=false", "corrector=none"))
+    from ais_lightning.rollout import engine_args
+
+    monkeypatch.setattr(engine_args, "has_package", lambda name: True)  # vLLM's config checks, without vLLM
+    with pytest.raises(ValueError, match=r"rollout._target_=\S*VLLMRolloutEngine cannot record them: vLLM"):
+        validate(make("rollout=vllm_cpu", "algorithm.top_p=0.9"))
+    validate(make("rollout=vllm_cpu", "algorithm.top_p=0.9", "algorithm.top_k=20"))
+    validate(make("rollout=vllm_cpu", "algorithm.top_p=0.9", "corrector=none"))
+
+
+def test_a_run_has_one_clip_bound_the_correctors():
+    """corrector.c=4: the diagnostics GRPOModule builds from the corrector count ratios beyond 4 and compute AIS's
+    lambda with the corrector's own parameters (tests/modules/test_grpo_module.py checks the logged values)."""
+    from ais_lightning.diagnostics import MismatchDiagnostics
+
+    corrector = validate(make("corrector=ais", "corrector.c=4")).corrector
+    metrics = MismatchDiagnostics(params=corrector.diagnostic_params())
+    assert metrics["ratio_frac_above"].c == 4.0 and metrics["ais_lambda"].params == corrector.params
+    assert validate(make("corrector=tis", "corrector.c_high=3")).corrector.diagnostic_params().c == 3.0
 
 
 def test_a_policy_and_an_engine_of_different_model_families_are_refused():

@@ -169,6 +169,30 @@ def test_gradient_checkpointing_trains_the_same_run(tmp_path: Path):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["rollout=fp32", "algorithm.top_k=20", "corrector.c=4"]],
+    ids=["issue-44-command", "fp32-exact"],
+)
+def test_top_p_with_a_corrector_trains_on_replayed_ratios(tmp_path: Path, extra):
+    """Issue 44's acceptance command, ``algorithm.top_p=0.9 corrector=ais`` (int8 rollouts), runs; at fp32 the
+    replayed ratios are 1 (k3 ~ 0, where the unrenormalized ones would carry log pi(S)) and the diagnostics use the
+    corrector's C = 4."""
+    import csv
+
+    out = tmp_path / "run"
+    args = [*SMOKE, "algorithm.top_p=0.9", "corrector=ais", "logger=csv", *extra]
+    run_train([*args, f"hydra.run.dir={out}"], cwd=tmp_path)
+    rows = [r for r in csv.DictReader(next(out.rglob("metrics.csv")).open()) if r.get("mismatch/kl_k3")]
+    assert len(rows) == 2
+    for row in rows:
+        kl, top = float(row["mismatch/kl_k3"]), float(row["mismatch/ratio_max"])
+        assert math.isfinite(kl) and math.isfinite(float(row["ais/lambda"]))
+        if extra:
+            assert kl < 1e-9 and abs(top - 1.0) < 1e-4
+            assert float(row["mismatch/ais_lambda"]) == pytest.approx(float(row["ais/lambda"]), abs=1e-6)
+
+
 def test_moe_policy_with_int8_rollouts_and_router_replay(tmp_path: Path):
     """Issue 36's acceptance command: the tiny MoE, quantized experts, routing replay, disagreement logged."""
     import csv

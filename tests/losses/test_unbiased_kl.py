@@ -106,3 +106,41 @@ def test_bad_options_and_missing_inputs():
             logp, old, torch.zeros(1, dtype=F64), torch.ones(1, 1, dtype=torch.bool), ref_logprobs=ref
         )
     assert "kl_ratio='rollout'" in repr(GRPOLoss(kl_ratio="rollout"))
+
+
+def test_nemo_clamp_caps_the_weighted_k3_and_detaches_the_weight_where_the_log_ratio_clamp_binds():
+    """kl_clamp=10 (NeMo-RL's calculate_kl), kl_ratio="rollout", three tokens (d(v k3)/dlogp = -v ln r unclamped):
+    - pi_theta = 0.5, ref = 0.25, mu = 0.25: v k3 = 2 (ln2 - 0.5) = 0.386 < 10: the same value and gradient 2 ln 2;
+    - pi_theta = 0.5, ref = 0.5 e^-15, mu = 0.25: r = e^-15, k3 = 14 + e^-15, v k3 = 28.0000006 > 10: NeMo counts
+      10 with gradient 0, without the clamp 28 with gradient -v ln r = 30;
+    - pi_theta = e^-25, mu = e^-6, ref = 1: log r = 25 clamped to 20, so k3 = e^20 - 21 carries no gradient;
+      v = e^-19, v k3 = e - 21 e^-19 < 10: the same value, but NeMo detaches v (gradient 0) where we keep
+      dv/dlogp * k3 = v k3 = e."""
+    logp = torch.tensor([[math.log(0.5), math.log(0.5), -25.0]], dtype=F64)
+    ref = torch.tensor([[math.log(0.25), math.log(0.5) - 15.0, 0.0]], dtype=F64)
+    mu = torch.tensor([[math.log(0.25), math.log(0.25), -6.0]], dtype=F64)
+    adv, mask = torch.zeros(1, dtype=F64), torch.ones(1, 3, dtype=torch.bool)
+    result = {}
+    for clamp in (None, 10.0):
+        x = logp.clone().requires_grad_(True)
+        loss = GRPOLoss(
+            kl_coef=1.0,
+            kl_ratio="rollout",
+            kl_clamp=clamp,
+            aggregation="seq-mean-token-sum-norm",
+            max_response_length=1,
+        )  # fmt: skip  (the loss is the sum of the three terms)
+        out = loss(x, x.detach(), adv, mask, ref_logprobs=ref, rollout_logprobs=mu)
+        out.loss.backward()
+        result[clamp] = (out.loss.item(), x.grad[0].tolist())
+    (total_free, grad_free), (total_nemo, grad_nemo) = result[None], result[10.0]
+    first, third = 2 * (LN2 - 0.5), math.e - 21 * math.exp(-19.0)
+    assert total_free == pytest.approx(first + 2 * (14.0 + math.exp(-15.0)) + third, rel=1e-9)
+    assert total_nemo == pytest.approx(first + 10.0 + third, rel=1e-9)
+    assert grad_free[0] == pytest.approx(2 * LN2, rel=1e-9) and grad_nemo[0] == pytest.approx(
+        2 * LN2, rel=1e-9
+    )
+    assert grad_free[1] == pytest.approx(30.0, rel=1e-9) and grad_nemo[1] == 0.0
+    assert grad_free[2] == pytest.approx(third, rel=1e-9) and grad_nemo[2] == 0.0
+    with pytest.raises(ValueError, match="kl_clamp"):
+        GRPOLoss(kl_clamp=0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import lightning as L
 import pytest
@@ -47,11 +48,13 @@ class NaNLoss(GRPOLoss):
         return dataclasses.replace(out, loss=out.loss * float("nan"))
 
 
-def _module(engine_factory=None, loss=None, cls=GRPOModule, policy_cls=Policy, **settings) -> GRPOModule:
+def _module(
+    engine_factory=None, loss=None, cls=GRPOModule, policy_cls=Policy, corrector=None, **settings
+) -> GRPOModule:
     return cls(
         policy=policy_cls(build_tiny_qwen3(seed=0), build_char_tokenizer()),
         task=OddCharacters(digits=1),
-        corrector=AIS(),
+        corrector=corrector or AIS(),
         loss=loss or GRPOLoss(),
         engine_factory=engine_factory or (lambda m: TorchRolloutEngine(m, precision="fp32")),
         settings=GRPOSettings(group_size=4, max_new_tokens=4, lr=1e-3, **settings),
@@ -144,6 +147,30 @@ def test_logged_lambda_diagnostic_is_the_lambda_ais_uses():
     module = _module(engine_factory=lambda m: TorchRolloutEngine(m, precision="fp4"))
     metrics = _fit(module).callback_metrics
     assert metrics["ais/lambda"] > 0, "fp4 rollouts of the tiny model mismatch the fp32 trainer"
+    torch.testing.assert_close(metrics["mismatch/ais_lambda"], metrics["ais/lambda"], rtol=1e-5, atol=1e-7)
+
+
+class SkewedRollouts(NaNRollouts):
+    """A real engine whose log mu is lowered by log 3 on every other response position: ratios ~3 there, between the
+    clip bounds 2 and 4 (a broken kernel that under-weights half the tokens)."""
+
+    def generate(self, prompts, sampling):
+        batch = self.engine.generate(prompts, sampling)
+        odd = torch.arange(batch.rollout_logprobs.shape[1]) % 2 == 1  # [T]
+        skewed = torch.where(
+            odd & batch.response_mask, batch.rollout_logprobs - math.log(3.0), batch.rollout_logprobs
+        )
+        return dataclasses.replace(batch, rollout_logprobs=skewed)
+
+
+@pytest.mark.parametrize("c", [2.0, 4.0])
+def test_the_mismatch_diagnostics_use_the_correctors_clip_bound(c):
+    """corrector.c = 4: mismatch/ais_lambda is the corrector's lambda at C = 4 (not a second lambda at C = 2), and
+    the ratio fractions count the ratios beyond 4 (none of the ~3s) and below 1/4."""
+    module = _module(engine_factory=SkewedRollouts, corrector=AIS(c=c))
+    assert module.mismatch["ratio_frac_above"].c == c and module.mismatch["ratio_frac_below"].c_low == 1 / c
+    metrics = _fit(module).callback_metrics
+    assert (metrics["mismatch/ratio_frac_above"] > 0.2) == (c == 2.0)  # the ~3s are above 2, not above 4
     torch.testing.assert_close(metrics["mismatch/ais_lambda"], metrics["ais/lambda"], rtol=1e-5, atol=1e-7)
 
 

@@ -45,6 +45,29 @@ def test_chunks_merge_into_groups_that_point_at_the_step_prompts():
     assert int(merged.prompt_ids[2, 0]) == 9  # the chunks' own padding id
 
 
+def test_the_workers_kept_sets_follow_their_rows():
+    """Truncated sampling on the workers: each chunk's kept sets (RolloutBatch.support) land on its rows of the
+    merged batch, whose responses are wider; a chunk without them next to one with them is refused."""
+    import dataclasses
+
+    from ais_lightning.rollout import SamplingSupport
+
+    a = _batch([[1, 2]], [[4], [5, 6]], n=2)
+    a = dataclasses.replace(a, support=SamplingSupport(torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
+                                                       torch.tensor([[4, 7, -1, -1], [5, 6, 1, 2]], dtype=torch.int32)))  # fmt: skip
+    b = _batch([[3]], [[1, 1, 1], [3]], n=2)
+    b = dataclasses.replace(b, support=SamplingSupport(torch.tensor([[1, 1, 2], [1, 0, 0]], dtype=torch.int32),
+                                                       torch.tensor([[1, 1, 0, 1], [3, -1, -1, -1]], dtype=torch.int32)))  # fmt: skip
+    merged, _ = merge_chunks([([0], {"batch": a, "version": 0}), ([1], {"batch": b, "version": 0})])
+    assert merged.support.counts.tolist() == [[2, 0, 0], [1, 3, 0], [1, 1, 2], [1, 0, 0]]
+    flat = merged.support.flat(merged.response_mask)
+    assert flat.ids.tolist() == [4, 7, 5, 6, 1, 2, 1, 1, 0, 1, 3]
+    with pytest.raises(ValueError, match="for some chunks only"):
+        merge_chunks(
+            [([0], {"batch": a, "version": 0}), ([1], {"batch": _batch([[3]], [[1]], n=1), "version": 0})]
+        )
+
+
 def test_without_ray_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ImportError, match=r"ais-lightning\[ray\]"):

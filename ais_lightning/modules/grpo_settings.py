@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from ais_lightning.checks import check_int
 from ais_lightning.losses import ADVANTAGE_SCALES
+from ais_lightning.rollout.base import SamplingConfig
 from ais_lightning.staleness import STALE_POLICIES, check_lag
 
 __all__ = ["GRPOSettings"]
@@ -230,6 +231,19 @@ class GRPOSettings:
     def truncated(self) -> bool:
         """Whether sampling truncates (``top_p`` < 1, ``top_k`` > 0 or ``min_p`` > 0), renormalizing mu."""
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+    def sampling(self, stop_token_id: int) -> SamplingConfig:
+        """The rollouts' sampling: a group of ``group_size`` per prompt, stopping at ``stop_token_id`` (EOS)."""
+        return SamplingConfig(
+            n=self.group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            record_support=self.replay_support,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=[stop_token_id],
+        )
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

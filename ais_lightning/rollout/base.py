@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from ais_lightning.ops import take_rows
+from ais_lightning.rollout.sampling import truncates
 from ais_lightning.rollout.support import SamplingSupport
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -98,6 +99,15 @@ class SamplingConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.stop_token_ids = list(self.stop_token_ids)
+
+    def records_support(self, vocab_size: int) -> bool:
+        """Whether ``generate`` records the kept sets: ``record_support`` asks for them, T > 0, and the truncation
+        drops tokens of a ``vocab_size``-token distribution (the engines' one condition)."""
+        return (
+            self.record_support
+            and self.temperature > 0
+            and truncates(vocab_size, self.top_k, self.top_p, self.min_p)
+        )
 
 
 @dataclass

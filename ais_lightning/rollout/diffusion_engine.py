@@ -56,7 +56,7 @@ from ais_lightning.quant.cpu_int8 import INTEGER_BACKENDS, default_int8_backend
 from ais_lightning.rollout.base import RolloutBatch, RolloutEngine, SamplingConfig, without_autocast
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, context_length
 from ais_lightning.rollout.sampling import draw_next, make_generator
-from ais_lightning.rollout.support import support_recorder
+from ais_lightning.rollout.support import SupportRecorder
 from ais_lightning.rollout.weight_sync import check_named_tensors
 
 __all__ = [
@@ -389,7 +389,7 @@ class DiffusionRolloutEngine(RolloutEngine):
         attention = torch.cat([prompt_mask, torch.ones_like(canvas, dtype=torch.bool)], dim=1)  # [B, P+T]
         positions = (attention.long().cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
         rows = torch.arange(batch, device=dev)[:, None]  # [B, 1]
-        kept_sets = support_recorder(sampling, self.vocab_size)  # None: nothing to record
+        kept_sets = SupportRecorder() if sampling.records_support(self.vocab_size) else None
         for s, step in enumerate(self.schedule(length)):
             b0, b1, k = step.block_start, step.block_end, step.num_unmask
             hidden = self.body(torch.cat([prompt_ids, canvas], dim=1), attention, positions)  # [B, P+T, H]

@@ -29,15 +29,11 @@ measured ``L`` is in docs/correctors.md). The trainer expands one chunk of posit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ais_lightning.ops import autograd_usable
-from ais_lightning.rollout.sampling import truncates
-
-if TYPE_CHECKING:
-    from ais_lightning.rollout.base import SamplingConfig
 
 __all__ = [
     "MASKED_LOGIT",
@@ -46,7 +42,6 @@ __all__ = [
     "SupportRecorder",
     "kept_mask",
     "replayed_log_softmax",
-    "support_recorder",
 ]
 
 MASKED_LOGIT = -1e30
@@ -219,12 +214,3 @@ class SupportRecorder:
         offset = torch.arange(owner.numel(), device=dev) - (per_row.cumsum(0) - per_row)[owner]  # [K]
         ids[owner, offset] = flat.ids.to(torch.int32)
         return SamplingSupport(counts, ids)
-
-
-def support_recorder(sampling: SamplingConfig, vocab_size: int) -> SupportRecorder | None:
-    """A :class:`SupportRecorder` for an engine's ``generate`` when ``sampling`` asks for the kept sets
-    (``record_support``) and truncates a ``vocab_size``-token distribution at T > 0; None otherwise."""
-    wanted = sampling.record_support and sampling.temperature > 0
-    if wanted and truncates(vocab_size, sampling.top_k, sampling.top_p, sampling.min_p):
-        return SupportRecorder()
-    return None

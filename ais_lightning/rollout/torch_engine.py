@@ -55,7 +55,7 @@ from ais_lightning.rollout.engine_args import (
 from ais_lightning.rollout.kv_cache import FP8KVScales, KVWorkspace
 from ais_lightning.rollout.prompts import check_generate_args, context_length, left_pad
 from ais_lightning.rollout.sampling import check_uniforms, draw_next, make_generator
-from ais_lightning.rollout.support import support_recorder
+from ais_lightning.rollout.support import SupportRecorder
 from ais_lightning.rollout.torch_model import LeanLlama, lean_unsupported
 from ais_lightning.rollout.weight_sync import load_validated, requantize, validate_sync
 
@@ -343,17 +343,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._check_device(target)
         self.model.to(target)
         self._prepare_model()
-        if self.backend is not None:
-            _log.info(
-                "TorchRolloutEngine: precision %s on backend %s (%s; this CPU's int8 kernels: %s)",
-                self.precision,
-                self.backend,
-                BACKEND_KERNELS[self.backend],
-                cpu_int8_isa(),
-            )
-        if self.model_impl != "lean":
-            why = lean_unsupported(model) or "model_impl='transformers'"
-            _log.info("TorchRolloutEngine runs %s through its own forward: %s", type(model).__name__, why)
+        self._log_choices(model)
         self.lean = LeanLlama(self.model) if self.model_impl == "lean" else None
         """The bound lean forward (:class:`ais_lightning.rollout.torch_model.LeanLlama`), or None when the
         engine runs the model's own forward."""
@@ -461,6 +451,20 @@ class TorchRolloutEngine(RolloutEngine):
         return impl
 
     # ------------------------------------------------------------------ setup
+    def _log_choices(self, model: nn.Module) -> None:
+        """Log the GEMM backend (with the CPU's int8 kernels) and a forward other than the lean one."""
+        if self.backend is not None:
+            _log.info(
+                "TorchRolloutEngine: precision %s on backend %s (%s; this CPU's int8 kernels: %s)",
+                self.precision,
+                self.backend,
+                BACKEND_KERNELS[self.backend],
+                cpu_int8_isa(),
+            )
+        if self.model_impl != "lean":
+            why = lean_unsupported(model) or "model_impl='transformers'"
+            _log.info("TorchRolloutEngine runs %s through its own forward: %s", type(model).__name__, why)
+
     def _check_device(self, device: torch.device) -> None:
         """Refuse a device the backend cannot run on (the model's own device is only known here)."""
         if self.backend in INTEGER_BACKENDS and device.type != "cpu":
@@ -659,7 +663,7 @@ class TorchRolloutEngine(RolloutEngine):
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         rows = torch.arange(batch, device=dev)  # original row of each running row
-        kept_sets = support_recorder(sampling, self.vocab_size)  # None: nothing to record
+        kept_sets = SupportRecorder() if sampling.records_support(self.vocab_size) else None
         out_rows: torch.Tensor | slice = slice(None)  # rows to write outputs to: all until compaction
         alive = torch.ones(batch, dtype=torch.bool, device=dev)  # [R]
         steps = 0

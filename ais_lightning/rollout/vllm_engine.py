@@ -109,7 +109,6 @@ from ais_lightning.rollout.engine_args import (
 )
 from ais_lightning.rollout.process_state import process_state_kept, rng_state_kept
 from ais_lightning.rollout.prompts import check_generate_args, check_prompts, left_pad
-from ais_lightning.rollout.sampling import truncates
 from ais_lightning.rollout.support import SamplingSupport
 from ais_lightning.rollout.weight_sync import check_named_tensors, non_finite
 
@@ -837,12 +836,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """The ``logprobs=N`` that reads back the kept set (:func:`support_logprobs`) when ``sampling`` truncates,
         records support and has ``top_k`` on; None otherwise (no support recorded). ValueError when N exceeds vLLM's
         ``max_logprobs``."""
-        if not (
-            sampling.record_support
-            and sampling.temperature > 0
-            and sampling.top_k > 0
-            and truncates(self.vocab_size, sampling.top_k, sampling.top_p, sampling.min_p)
-        ):
+        if not (sampling.top_k > 0 and sampling.records_support(self.vocab_size)):
             return None
         wanted = support_logprobs(sampling.top_k)
         if wanted > self.max_logprobs:

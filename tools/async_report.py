@@ -11,12 +11,16 @@ Tables (markdown on stdout, and ``--json``):
 1. every cell's mean final accuracy over seeds ± the half-width of its 95% t-interval [seeds];
 2. the cost of staleness: per precision and corrector, accuracy at staleness k minus at staleness 0, paired by seed;
 3. what a corrector recovers: per precision and staleness, (corrector - none), paired by seed;
-4. the two sources: mean KL of each part and lambda per cell.
+4. the two sources: mean KL of each part and lambda per cell;
+5. with ``--curve``: the learning curve, each cell's mean reward over each quarter of its steps (``reward_q1`` ..
+   ``reward_q4``; any of them is a ``--metric`` for the paired tables).
 
 A difference is given as mean ± its standard error and the 95% t-interval's half-width (``t(n-1) s_d / sqrt(n)``);
 "> 2 SE" marks a difference larger than two standard errors.
 
     python tools/async_report.py --tracking-uri http://127.0.0.1:5077 --experiment async_default --json a.json
+    python tools/async_report.py --tracking-uri ... --experiment async_ray --experiment async_default --curve \
+        --group workers,rollout,corrector,algorithm.max_staleness --baseline-param workers --baseline-value -
     python tools/async_report.py --tracking-uri ... --experiment async_varying --group rollout,corrector,\
 algorithm.max_staleness,algorithm.adaptive_staleness --baseline-param algorithm.max_staleness --baseline-value 0
 """
@@ -43,7 +47,19 @@ METRICS = {
     "lambda": ("ais/lambda", "mean"),
     "staleness": ("staleness/mean", "mean"),
     "bound": ("staleness/bound", "mean"),
+    **{f"reward_q{q}": ("reward/mean", f"quarter{q}") for q in range(1, 5)},
 }
+"""name -> (logged key, how: the last value, the mean of the last 50, of all, or of the q-th quarter of the steps)."""
+
+
+def summarize(xs: list[float], how: str) -> float:
+    """One run's value of a metric from its per-step values ``xs`` (step order) as ``how`` says."""
+    if how == "last":
+        return xs[-1]
+    if how.startswith("quarter"):
+        q, n = int(how[-1]), len(xs)
+        return statistics.fmean(xs[(q - 1) * n // 4 : max(q * n // 4, (q - 1) * n // 4 + 1)])
+    return statistics.fmean(xs[-50:] if how == "last50" else xs)
 
 
 def load(uri: str, experiment: str) -> list[dict[str, Any]]:
@@ -64,7 +80,7 @@ def load(uri: str, experiment: str) -> list[dict[str, Any]]:
             xs = [m.value for m in history if math.isfinite(m.value)]
             if not xs:
                 continue
-            values[name] = xs[-1] if how == "last" else statistics.fmean(xs[-50:] if how == "last50" else xs)
+            values[name] = summarize(xs, how)
         runs.append({"params": dict(run.data.params), "values": values})
     return runs
 
@@ -116,6 +132,7 @@ def main() -> None:
         "--baseline-param", default="algorithm.max_staleness", help="the staleness table's axis"
     )
     parser.add_argument("--baseline-value", default="0")
+    parser.add_argument("--curve", action="store_true", help="also the learning curve by quarters of the run")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     runs = [r for e in args.experiment for r in load(args.tracking_uri, e)]
@@ -167,6 +184,15 @@ def main() -> None:
                 d = paired(table[key], table[base], m)
                 report["corrector_gain"][" ".join(key)] = d
                 print("| " + " | ".join(key) + f" | {show(d)} |")
+    if args.curve:
+        print("\n### Learning curve: mean reward over each quarter of the steps\n")
+        print("| " + " | ".join(group) + " | " + " | ".join(f"reward_q{q}" for q in range(1, 5)) + " |")
+        print("|" + " --- |" * (len(group) + 4))
+        for key in sorted(table):
+            quarters = [
+                [v[f"reward_q{q}"] for v in table[key].values() if f"reward_q{q}" in v] for q in range(1, 5)
+            ]
+            print("| " + " | ".join(key) + " | " + " | ".join(mean_interval(xs) for xs in quarters) + " |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
 

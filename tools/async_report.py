@@ -12,7 +12,10 @@ Tables (markdown on stdout, and ``--json``):
 2. the cost of staleness: per precision and corrector, accuracy at staleness k minus at staleness 0, paired by seed;
 3. what a corrector recovers: per precision and staleness, (corrector - none), paired by seed;
 4. the two sources: mean KL of each part and lambda per cell;
-5. with ``--curve``: the learning curve, each cell's mean reward over each quarter of its steps (``reward_q1`` ..
+5. for runs with Ray workers: seconds per step of the step, the trainer's wait for rollouts, the weights' put into
+   the object store and a worker's load of them (``time/step_s``, ``async/idle_s``, ``async/publish_s``,
+   ``async/worker_sync_s``);
+6. with ``--curve``: the learning curve, each cell's mean reward over each quarter of its steps (``reward_q1`` ..
    ``reward_q4``; any of them is a ``--metric`` for the paired tables).
 
 A difference is given as mean ± its standard error and the 95% t-interval's half-width (``t(n-1) s_d / sqrt(n)``);
@@ -20,7 +23,7 @@ A difference is given as mean ± its standard error and the 95% t-interval's hal
 
     python tools/async_report.py --tracking-uri http://127.0.0.1:5077 --experiment async_default --json a.json
     python tools/async_report.py --tracking-uri ... --experiment async_ray --experiment async_default --curve \
-        --group workers,rollout,corrector,algorithm.max_staleness --baseline-param workers --baseline-value -
+        --group workers,rollout,corrector,algorithm.max_staleness --baseline-param workers --baseline-value None
     python tools/async_report.py --tracking-uri ... --experiment async_varying --group rollout,corrector,\
 algorithm.max_staleness,algorithm.adaptive_staleness --baseline-param algorithm.max_staleness --baseline-value 0
 """
@@ -47,6 +50,10 @@ METRICS = {
     "lambda": ("ais/lambda", "mean"),
     "staleness": ("staleness/mean", "mean"),
     "bound": ("staleness/bound", "mean"),
+    "step_s": ("time/step_s", "mean"),
+    "idle_s": ("async/idle_s", "mean"),
+    "publish_s": ("async/publish_s", "mean"),
+    "worker_sync_s": ("async/worker_sync_s", "mean"),
     **{f"reward_q{q}": ("reward/mean", f"quarter{q}") for q in range(1, 5)},
 }
 """name -> (logged key, how: the last value, the mean of the last 50, of all, or of the q-th quarter of the steps)."""
@@ -193,6 +200,16 @@ def main() -> None:
                 [v[f"reward_q{q}"] for v in table[key].values() if f"reward_q{q}" in v] for q in range(1, 5)
             ]
             print("| " + " | ".join(key) + " | " + " | ".join(mean_interval(xs) for xs in quarters) + " |")
+    pipeline = ("step_s", "idle_s", "publish_s", "worker_sync_s")
+    if any(name in v for seeds in table.values() for v in seeds.values() for name in pipeline[1:]):
+        print("\n### The pipeline (Ray workers): mean seconds per step\n")
+        print("| " + " | ".join(group) + " | " + " | ".join(pipeline) + " |")
+        print("|" + " --- |" * (len(group) + len(pipeline)))
+        for key in sorted(table):
+            cols = [[v[n] for v in table[key].values() if n in v] for n in pipeline]
+            if not any(cols[1:]):
+                continue  # no workers in this cell
+            print("| " + " | ".join(key) + " | " + " | ".join(mean_interval(xs) for xs in cols) + " |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
 

@@ -10,7 +10,8 @@ Tables (markdown on stdout, and ``--json``):
 
 1. every cell's mean final accuracy over seeds ± the half-width of its 95% t-interval [seeds];
 2. the cost of staleness: per precision and corrector, accuracy at staleness k minus at staleness 0, paired by seed;
-3. what a corrector recovers: per precision and staleness, (corrector - none), paired by seed;
+3. what a corrector recovers: per precision and staleness, (corrector - none), paired by seed
+   (``--corrector-baseline tis``: each corrector against TIS instead);
 4. the two sources: mean KL of each part and lambda per cell;
 5. for runs with Ray workers: seconds per step of the step, the trainer's wait for rollouts, the weights' put into
    the object store and a worker's load of them (``time/step_s``, ``async/idle_s``, ``async/publish_s``,
@@ -140,6 +141,9 @@ def main() -> None:
     )
     parser.add_argument("--baseline-value", default="0")
     parser.add_argument("--curve", action="store_true", help="also the learning curve by quarters of the run")
+    parser.add_argument(
+        "--corrector-baseline", default="none", help="the corrector the recovery table subtracts (e.g. tis)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     runs = [r for e in args.experiment for r in load(args.tracking_uri, e)]
@@ -180,13 +184,13 @@ def main() -> None:
                 print("| " + " | ".join(key) + f" | {show(d)} |")
     if "corrector" in group:
         c = group.index("corrector")
-        print(f"\n### What a corrector recovers (minus none), paired by seed: {m}\n")
+        print(f"\n### What a corrector recovers (minus {args.corrector_baseline}), paired by seed: {m}\n")
         print("| " + " | ".join(group) + " | difference |")
         print("|" + " --- |" * (len(group) + 1))
         for key in sorted(table):
-            if key[c] == "none":
+            if key[c] == args.corrector_baseline:
                 continue
-            base = key[:c] + ("none",) + key[c + 1 :]
+            base = key[:c] + (args.corrector_baseline,) + key[c + 1 :]
             if base in table:
                 d = paired(table[key], table[base], m)
                 report["corrector_gain"][" ".join(key)] = d

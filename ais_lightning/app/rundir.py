@@ -15,6 +15,7 @@ multi-process run work in the same directory.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import socket
@@ -27,6 +28,21 @@ LOCK_NAME = "run.lock"
 """The lock file of a run directory."""
 HOLDER_NAME = "run.lock.json"
 """Who holds the lock: ``{"pid", "host", "started", "command"}``, written once the lock is taken."""
+DIRNAME_BYTES = 160
+"""The longest sweep job directory name :func:`fitting_dirname` gives (file systems allow 255 bytes per name)."""
+
+
+def fitting_dirname(name: str, limit: int = DIRNAME_BYTES) -> str:
+    """``name`` (Hydra's ``override_dirname``: a sweep job's overrides) as a directory name of at most ``limit``
+    bytes: unchanged when it fits, else its first bytes, ``_`` and 10 hex digits of its SHA-1, so two long
+    names that share a prefix still get two directories. ``ais-train`` names each sweep job's directory
+    ``<job number>_${fit_dirname:...}``: a sweep with many overrides would otherwise fail with "File name too
+    long" before its first run."""
+    raw = name.encode()
+    if len(raw) <= limit:
+        return name
+    digest = hashlib.sha1(raw).hexdigest()[:10]
+    return raw[: limit - len(digest) - 1].decode(errors="ignore") + "_" + digest
 
 
 class RunDirectoryInUse(ValueError):

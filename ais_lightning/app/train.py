@@ -37,6 +37,10 @@ if not OmegaConf.has_resolver("pid"):
     # copies the parent config's resolver cache into every job's config (``load_sweep_config``), so jobs run
     # by other processes (joblib, SLURM) get the parent's id, not their own: one sweep directory, one store.
     OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+if not OmegaConf.has_resolver("fit_dirname"):  # a sweep job's directory name within the file system's limit
+    from ais_lightning.app.rundir import fitting_dirname
+
+    OmegaConf.register_new_resolver("fit_dirname", fitting_dirname)
 
 log = logging.getLogger("ais_lightning.app.train")  # also when run as __main__
 

@@ -16,7 +16,8 @@ Tables (markdown on stdout, and ``--json``):
 5. for runs with Ray workers: seconds per step of the step, the trainer's wait for rollouts, the weights' put into
    the object store and a worker's load of them (``time/step_s``, ``async/idle_s``, ``async/publish_s``,
    ``async/worker_sync_s``);
-6. with ``--curve``: the learning curve, each cell's mean reward over each quarter of its steps (``reward_q1`` ..
+6. ``--pair A B``: any two cells' paired difference (e.g. AIS with the adaptive bound against TIS with the fixed one);
+7. with ``--curve``: the learning curve, each cell's mean reward over each quarter of its steps (``reward_q1`` ..
    ``reward_q4``; any of them is a ``--metric`` for the paired tables).
 
 A difference is given as mean ± its standard error and the 95% t-interval's half-width (``t(n-1) s_d / sqrt(n)``);
@@ -144,6 +145,14 @@ def main() -> None:
     parser.add_argument(
         "--corrector-baseline", default="none", help="the corrector the recovery table subtracts (e.g. tis)"
     )
+    parser.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        metavar=("A", "B"),
+        help="repeatable: cell A minus cell B, paired by seed, on the metric and reward_last50 "
+        "(cells named by their group values, space-separated, e.g. 'fp4 ais 4 True' 'fp4 tis 4 False')",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     runs = [r for e in args.experiment for r in load(args.tracking_uri, e)]
@@ -195,6 +204,16 @@ def main() -> None:
                 d = paired(table[key], table[base], m)
                 report["corrector_gain"][" ".join(key)] = d
                 print("| " + " | ".join(key) + f" | {show(d)} |")
+    for a, b in args.pair or []:
+        ka, kb = tuple(a.split()), tuple(b.split())
+        missing = [k for k in (ka, kb) if k not in table]
+        if missing:
+            raise SystemExit(
+                f"--pair: no cell {' '.join(missing[0])!r}; cells: {[' '.join(k) for k in sorted(table)]}"
+            )
+        diffs = {name: paired(table[ka], table[kb], name) for name in (m, "reward_last50")}
+        report.setdefault("pairs", {})[f"{a} - {b}"] = diffs
+        print(f"\n{a} minus {b}, paired by seed: " + "; ".join(f"{n} {show(d)}" for n, d in diffs.items()))
     if args.curve:
         print("\n### Learning curve: mean reward over each quarter of the steps\n")
         print("| " + " | ".join(group) + " | " + " | ".join(f"reward_q{q}" for q in range(1, 5)) + " |")

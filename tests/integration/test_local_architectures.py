@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ais_lightning.models import build_char_tokenizer, save_tiny_model
+from ais_lightning.quant.cpu_int8 import default_int8_backend
 from tests.architectures import build
 from tests.integration.helpers import SMOKE, run_train
 
@@ -35,7 +36,10 @@ def test_grpo_on_a_local_model_of_another_family(tmp_path: Path, name: str):
     )  # fmt: skip
     # from_pretrained loads in eval mode; the policy trains in training mode (where checkpointing acts)
     assert "in eval mode at the start of training" not in proc.stderr
-    assert f"TorchRolloutEngine {rollout} (transformers forward)" in proc.stdout
+    backend = f"backend {default_int8_backend()}: " if rollout == "int8" else ""  # this CPU's int8 kernel
+    assert (
+        f"TorchRolloutEngine {rollout} ({backend}" in proc.stdout and "transformers forward)" in proc.stdout
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and math.isfinite(summary["kl_k3_mean"])
     if name == "granite":  # int8 rollouts differ from the fp32 trainer

@@ -200,7 +200,8 @@ def test_moe_policy_with_int8_rollouts_and_router_replay(tmp_path: Path):
     out = tmp_path / "run"
     args = [*SMOKE, "policy=tiny_qwen3_moe", "rollout=int8", "policy.router_replay=true", "logger=csv"]
     proc = run_train([*args, f"hydra.run.dir={out}"], cwd=tmp_path)
-    assert "TorchRolloutEngine int8 (transformers forward)" in proc.stdout
+    assert f"TorchRolloutEngine int8 (backend {default_int8_backend()}: " in proc.stdout
+    assert "; transformers forward)" in proc.stdout
     rows = list(csv.DictReader((out / "csv" / "version_0" / "metrics.csv").open()))
     logged = [r for r in rows if r.get("routing/disagreement")]
     assert len(logged) == 2  # one per rollout step, beside the mismatch KL

@@ -67,14 +67,15 @@ def test_kill9_resume_kill9_resume_matches_an_uninterrupted_run(uninterrupted, t
 
     # 1. max_steps=2, SIGKILL once step 1 is checkpointed
     first = Run([*COMMON, "trainer.max_steps=2", f"hydra.run.dir={out}"], tmp_path, log_name="first")
-    first.wait_for(ckpts / "step000001.ckpt.sha256")  # a checkpoint is complete once its hash is written
+    # a checkpoint is complete once it is at its name: its sidecar is written first, then the file is renamed there
+    first.wait_for(ckpts / "step000001.ckpt")
     first.kill()
     assert first.wait() == -signal.SIGKILL, "the first run ended before it could be killed"
     # 2. resumed from the newest checkpoint with max_steps raised to 4; SIGKILL once step 2 (a validation
     #    step: its checkpoint is written before the validation) is checkpointed
     resume = [*COMMON, "trainer.max_steps=4", "ckpt_path=last", f"hydra.run.dir={out}"]
     second = Run(resume, tmp_path, log_name="second")
-    second.wait_for(ckpts / "step000002.ckpt.sha256")
+    second.wait_for(ckpts / "step000002.ckpt")
     second.kill()
     assert second.wait() == -signal.SIGKILL, "the second run ended before it could be killed"
     # 3. resumed to the end

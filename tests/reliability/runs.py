@@ -25,6 +25,13 @@ TIMED = "tests.reliability.faults"
 """``ais-train`` with its libraries imported first; prints ``RUN_SECONDS=`` (see faults.py)."""
 
 
+def _sigint_as_a_terminal_sends_it() -> None:
+    """In the child: SIGINT back to its default (Python's KeyboardInterrupt). A test suite started as a shell's
+    background job (``make test &``) inherits SIGINT ignored, and so would every run it starts: Ctrl-C would then
+    never reach them, whatever the run does."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """One ``python -m <module> ARGS`` process; its stdout and stderr go to files beside ``log_dir``."""
 
@@ -57,6 +64,7 @@ class Run:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
+                preexec_fn=_sigint_as_a_terminal_sends_it,
             )
 
     def wait(self, timeout: float = 600) -> int:

@@ -129,6 +129,29 @@ def show(d: dict[str, float]) -> str:
     return f"{d['mean']:+.3f} (SE {d['se']:.3f}; ±{d['half_width']:.3f}) [{d['n']}]{mark}"
 
 
+def differences(
+    table: dict[tuple, dict[str, dict[str, float]]],
+    group: list[str],
+    axis_name: str,
+    base_value: str,
+    metric: str,
+    title: str,
+) -> dict[str, dict[str, float]]:
+    """Print and return every cell minus the cell that differs only in ``axis_name`` = ``base_value``, paired by
+    seed (cells without such a twin are left out)."""
+    axis = group.index(axis_name)
+    print(f"\n### {title}, paired by seed: {metric}\n")
+    print("| " + " | ".join(group) + " | difference |")
+    print("|" + " --- |" * (len(group) + 1))
+    out = {}
+    for key in sorted(table):
+        base = key[:axis] + (base_value,) + key[axis + 1 :]
+        if key[axis] != base_value and base in table:
+            out[" ".join(key)] = d = paired(table[key], table[base], metric)
+            print("| " + " | ".join(key) + f" | {show(d)} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -178,32 +201,14 @@ def main() -> None:
             f"{fmt(col('kl_precision'))} | {fmt(col('kl_staleness'))} | {mean_interval(col('lambda'))} |"
         )
         report["cells"][" ".join(key)] = {name: col(name) for name in METRICS}
-    axis = group.index(args.baseline_param) if args.baseline_param in group else None
-    if axis is not None:
-        print(f"\n### The cost of {args.baseline_param} (minus {args.baseline_value}), paired by seed: {m}\n")
-        print("| " + " | ".join(g for g in group) + " | difference |")
-        print("|" + " --- |" * (len(group) + 1))
-        for key in sorted(table):
-            if key[axis] == args.baseline_value:
-                continue
-            base = key[:axis] + (args.baseline_value,) + key[axis + 1 :]
-            if base in table:
-                d = paired(table[key], table[base], m)
-                report["staleness_cost"][" ".join(key)] = d
-                print("| " + " | ".join(key) + f" | {show(d)} |")
+    if args.baseline_param in group:
+        title = f"The cost of {args.baseline_param} (minus {args.baseline_value})"
+        report["staleness_cost"] = differences(
+            table, group, args.baseline_param, args.baseline_value, m, title
+        )
     if "corrector" in group:
-        c = group.index("corrector")
-        print(f"\n### What a corrector recovers (minus {args.corrector_baseline}), paired by seed: {m}\n")
-        print("| " + " | ".join(group) + " | difference |")
-        print("|" + " --- |" * (len(group) + 1))
-        for key in sorted(table):
-            if key[c] == args.corrector_baseline:
-                continue
-            base = key[:c] + (args.corrector_baseline,) + key[c + 1 :]
-            if base in table:
-                d = paired(table[key], table[base], m)
-                report["corrector_gain"][" ".join(key)] = d
-                print("| " + " | ".join(key) + f" | {show(d)} |")
+        title = f"What a corrector recovers (minus {args.corrector_baseline})"
+        report["corrector_gain"] = differences(table, group, "corrector", args.corrector_baseline, m, title)
     for a, b in args.pair or []:
         ka, kb = tuple(a.split()), tuple(b.split())
         missing = [k for k in (ka, kb) if k not in table]

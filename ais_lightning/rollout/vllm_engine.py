@@ -852,6 +852,7 @@ class VLLMRolloutEngine(RolloutEngine):
         by the engine's ``seed``, so vLLM never draws from the trainer's numpy or torch RNG."""
         from vllm import SamplingParams
 
+        logprobs = self.support_logprobs(sampling) or 0  # one value for every request
         return [
             SamplingParams(
                 n=sampling.n,
@@ -863,7 +864,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=True,
                 seed=s,
-                logprobs=self.support_logprobs(sampling) or 0,
+                logprobs=logprobs,
                 detokenize=False,
             )
             for s in request_seeds(sampling.seed, num_prompts, self._unseeded)
@@ -888,9 +889,8 @@ class VLLMRolloutEngine(RolloutEngine):
         )  # every request seeded: the global draws go unused
         with rng_state_kept(cuda=not self.on_cpu):
             outputs = llm.generate(requests, params, use_tqdm=False)
-        packed = pack_outputs(
-            prompts, outputs, sampling.n, self.pad_token_id, self.support_logprobs(sampling)
-        )
+        support = params[0].logprobs or None  # the logprobs=N the requests asked to read the kept sets back
+        packed = pack_outputs(prompts, outputs, sampling.n, self.pad_token_id, support)
         return _batch_to(packed, self.device)
 
     def _open_llm(self) -> Any:

@@ -28,6 +28,8 @@ A difference is given as mean ± its standard error and the 95% t-interval's hal
         --group workers,rollout,corrector,algorithm.max_staleness --baseline-param workers --baseline-value None
     python tools/async_report.py --tracking-uri ... --experiment async_varying --group rollout,corrector,\
 algorithm.max_staleness,algorithm.adaptive_staleness --baseline-param algorithm.max_staleness --baseline-value 0
+    python tools/async_report.py --tracking-uri ... --experiment async_varying --experiment async_varying_heldout \
+        --unit experiment,seed ...    # two warm starts pooled: 5 + 3 seeds paired as 8 units
 """
 
 from __future__ import annotations
@@ -90,16 +92,28 @@ def load(uri: str, experiment: str) -> list[dict[str, Any]]:
             if not xs:
                 continue
             values[name] = summarize(xs, how)
-        runs.append({"params": dict(run.data.params), "values": values})
+        runs.append({"experiment": experiment, "params": dict(run.data.params), "values": values})
     return runs
 
 
-def cells(runs: list[dict[str, Any]], group: list[str]) -> dict[tuple, dict[str, dict[str, float]]]:
-    """(group values) -> seed -> values."""
+def cells(
+    runs: list[dict[str, Any]], group: list[str], unit: tuple[str, ...] = ("seed",)
+) -> dict[tuple, dict[str, dict[str, float]]]:
+    """(group values) -> pairing unit -> values. The unit is the seed, or with ``unit=("experiment", "seed")`` the
+    experiment and the seed (experiments pooled as one sample: e.g. two warm starts, each with seeds 0-2). Two runs of
+    one cell with the same unit are refused (one would silently hide the other)."""
     out: dict[tuple, dict[str, dict[str, float]]] = defaultdict(dict)
     for run in runs:
         key = tuple(run["params"].get(g, "-") for g in group)
-        out[key][run["params"].get("seed", "?")] = run["values"]
+        pair = "/".join(
+            run.get("experiment", "?") if u == "experiment" else run["params"].get(u, "?") for u in unit
+        )
+        if pair in out[key]:
+            raise SystemExit(
+                f"two finished runs of cell {' '.join(key)!r} share the pairing unit {pair!r} ({'/'.join(unit)}): "
+                "delete the duplicate, or pair by more (--unit experiment,seed pools experiments apart)"
+            )
+        out[key][pair] = run["values"]
     return out
 
 
@@ -136,11 +150,12 @@ def differences(
     base_value: str,
     metric: str,
     title: str,
+    unit: str = "seed",
 ) -> dict[str, dict[str, float]]:
     """Print and return every cell minus the cell that differs only in ``axis_name`` = ``base_value``, paired by
     seed (cells without such a twin are left out)."""
     axis = group.index(axis_name)
-    print(f"\n### {title}, paired by seed: {metric}\n")
+    print(f"\n### {title}, paired by {unit}: {metric}\n")
     print("| " + " | ".join(group) + " | difference |")
     print("|" + " --- |" * (len(group) + 1))
     out = {}
@@ -161,6 +176,11 @@ def main() -> None:
     parser.add_argument("--group", default="rollout,corrector,algorithm.max_staleness")
     parser.add_argument("--metric", default="acc_trainer", choices=sorted(METRICS))
     parser.add_argument(
+        "--unit",
+        default="seed",
+        help="what pairs two cells' runs: seed, or experiment,seed to pool several experiments' seeds as one sample",
+    )
+    parser.add_argument(
         "--baseline-param", default="algorithm.max_staleness", help="the staleness table's axis"
     )
     parser.add_argument("--baseline-value", default="0")
@@ -180,7 +200,7 @@ def main() -> None:
     args = parser.parse_args()
     runs = [r for e in args.experiment for r in load(args.tracking_uri, e)]
     group = args.group.split(",")
-    table = cells(runs, group)
+    table = cells(runs, group, tuple(args.unit.split(",")))
     m = args.metric
     print(
         f"## {', '.join(args.experiment)}: {len(runs)} finished runs; metric {m} ({METRICS[m][0]}, {METRICS[m][1]})\n"
@@ -204,11 +224,13 @@ def main() -> None:
     if args.baseline_param in group:
         title = f"The cost of {args.baseline_param} (minus {args.baseline_value})"
         report["staleness_cost"] = differences(
-            table, group, args.baseline_param, args.baseline_value, m, title
+            table, group, args.baseline_param, args.baseline_value, m, title, args.unit
         )
     if "corrector" in group:
         title = f"What a corrector recovers (minus {args.corrector_baseline})"
-        report["corrector_gain"] = differences(table, group, "corrector", args.corrector_baseline, m, title)
+        report["corrector_gain"] = differences(
+            table, group, "corrector", args.corrector_baseline, m, title, args.unit
+        )
     for a, b in args.pair or []:
         ka, kb = tuple(a.split()), tuple(b.split())
         missing = [k for k in (ka, kb) if k not in table]
@@ -218,7 +240,10 @@ def main() -> None:
             )
         diffs = {name: paired(table[ka], table[kb], name) for name in (m, "reward_last50")}
         report.setdefault("pairs", {})[f"{a} - {b}"] = diffs
-        print(f"\n{a} minus {b}, paired by seed: " + "; ".join(f"{n} {show(d)}" for n, d in diffs.items()))
+        print(
+            f"\n{a} minus {b}, paired by {args.unit}: "
+            + "; ".join(f"{n} {show(d)}" for n, d in diffs.items())
+        )
     if args.curve:
         print("\n### Learning curve: mean reward over each quarter of the steps\n")
         print("| " + " | ".join(group) + " | " + " | ".join(f"reward_q{q}" for q in range(1, 5)) + " |")

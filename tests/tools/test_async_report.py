@@ -41,3 +41,22 @@ def test_cells_and_paired_differences():
     assert d["se"] == pytest.approx(sd / math.sqrt(3))
     assert d["half_width"] == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-5)  # t(2, 0.975)
     assert "> 2 SE" not in tool.show(d)  # 0.1 < 2 x 0.0577
+
+
+def test_pooled_experiments_pair_by_experiment_and_seed_and_duplicates_are_refused():
+    runs = [
+        {"experiment": e, "params": {"corrector": c, "seed": str(s)}, "values": {"acc_trainer": v}}
+        for e, c, s, v in [
+            ("default", "ais", 0, 0.9),
+            ("default", "tis", 0, 0.8),
+            ("heldout", "ais", 0, 0.5),
+            ("heldout", "tis", 0, 0.6),
+        ]
+    ]
+    with pytest.raises(SystemExit, match="share the pairing unit '0'.*--unit experiment,seed"):
+        tool.cells(runs, ["corrector"])  # by seed alone the held-out run would hide the default's
+    table = tool.cells(runs, ["corrector"], ("experiment", "seed"))
+    assert set(table["ais",]) == {"default/0", "heldout/0"}
+    d = tool.paired(table["ais",], table["tis",], "acc_trainer")
+    assert d["n"] == 2 and d["mean"] == pytest.approx(0.0)  # +0.1 and -0.1
+    assert d["se"] == pytest.approx(0.1)  # sd of (0.1, -0.1) = 0.1414, / sqrt(2)

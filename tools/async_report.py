@@ -128,7 +128,7 @@ def mean_interval(xs: list[float]) -> str:
 
 
 def paired(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]], metric: str) -> dict[str, float]:
-    """a - b over the seeds both have."""
+    """a - b over the pairing units (seeds, or experiment/seed) both have."""
     seeds = sorted(set(a) & set(b))
     diffs = [a[s][metric] - b[s][metric] for s in seeds if metric in a[s] and metric in b[s]]
     mean, half, n = paired_interval(diffs)
@@ -153,7 +153,7 @@ def differences(
     unit: str = "seed",
 ) -> dict[str, dict[str, float]]:
     """Print and return every cell minus the cell that differs only in ``axis_name`` = ``base_value``, paired by
-    seed (cells without such a twin are left out)."""
+    ``unit`` (cells without such a twin are left out)."""
     axis = group.index(axis_name)
     print(f"\n### {title}, paired by {unit}: {metric}\n")
     print("| " + " | ".join(group) + " | difference |")

@@ -35,6 +35,8 @@ import logging
 import os
 import re
 import shutil
+import signal
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,24 +132,60 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl+C (SIGINT) until the block ends, then deliver it: a write is never cut in the middle.
+
+    A ``KeyboardInterrupt`` raised inside a writer does not always come out as one: ``torch.save``'s zip writer
+    closes the archive on its way out, fails on the half-written record and raises a ``RuntimeError`` in its
+    place, so a run stopped by Ctrl+C during a checkpoint save ended as a crash (exit 1, not 130). Inside the
+    block a SIGINT is only recorded; when the block ends the handler that was in place is called with it (Python's
+    default one raises ``KeyboardInterrupt`` there, at a point where the file is whole or absent). Only the main
+    thread can set handlers: elsewhere, or when SIGINT's handler is not a Python function, this does nothing.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            previous(signal.SIGINT, None)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it onto ``path``.
 
-    The temporary file is removed if ``write`` raises; ``path`` is then untouched.
+    The temporary file is removed if ``write`` raises; ``path`` is then untouched. A Ctrl+C waits for the end
+    of the write (:func:`ctrl_c_deferred`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # open() honours the umask
+    with ctrl_c_deferred():
+        _write_and_rename(tmp, path, write)
+    _fsync_dir(path.parent)
+
+
+def _write_synced(tmp: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """``write(f)`` into the new file ``tmp``, flushed and fsynced."""
+    with open(tmp, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_and_rename(tmp: Path, path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(tmp, write)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
 
 
 def _write_sidecar(path: Path, digests: list[str]) -> None:
@@ -218,18 +256,16 @@ def publish_verified(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
     file that was never verified) without a sidecar; a leftover temporary file has a hidden name
     (``.<name>.<random>.tmp``) that no ``*.ckpt`` glob matches. On an error (e.g. a full disk) the temporary
     file is removed, a sidecar written for a file that never appeared is removed too, and a disk-full
-    ``OSError`` is raised as :class:`DiskFullError` naming ``path`` (``what`` it is).
+    ``OSError`` is raised as :class:`DiskFullError` naming ``path`` (``what`` it is). A Ctrl+C waits for the end
+    of the whole publication (:func:`ctrl_c_deferred`).
     """
     path = Path(path)
-    with naming_disk_full(path, what):
+    with ctrl_c_deferred(), naming_disk_full(path, what):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
         fresh_sidecar = False
         try:
-            with open(tmp, "xb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_synced(tmp, write)
             digest = sha256_file(tmp)
             if os.path.lexists(path):
                 try:

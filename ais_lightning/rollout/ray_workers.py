@@ -5,8 +5,10 @@ holding one rollout engine built from the run's engine factory (the torch engine
 generate the requests of the next steps while the Lightning trainer (same module, same strategies) updates. Each
 step's prompts are split into one chunk per worker; every chunk comes back stamped with the policy version its
 worker held when it started it. After every update the trainer publishes the new weights once to Ray's object
-store (one ``ray.put``, N gets); a worker applies the newest weights it has received before each chunk (an int8 or
-fp8 engine requantizes then), in its own thread, so a weight transfer never waits behind a generation.
+store (one ``ray.put``, N gets); a worker receives them in its own thread, so a weight transfer never waits behind a
+generation, and applies the newest weights it holds before each chunk (an int8 or fp8 engine requantizes then). A chunk
+requested after a publish is generated with those weights or newer: it carries the version published last, and its
+worker waits for that version's weights if they are still on their way.
 
 Staleness (:mod:`ais_lightning.staleness`): with ``on_stale="wait"`` the trainer requests at most ``bound`` steps
 ahead, so no chunk can be staler than the bound (generation waits for the trainer); with ``"drop"`` it requests
@@ -133,7 +135,9 @@ class RolloutWorker:
     """One Ray actor: a rollout engine, the newest weights it received, and its chunks of rollouts.
 
     ``generate`` runs in the actor's default thread; ``set_weights`` in the ``weights`` concurrency group, so a
-    weight transfer lands while a chunk is being generated and is applied before the next one.
+    weight transfer lands while a chunk is being generated and is applied before the next one. Ray orders the calls
+    of one concurrency group, not calls across groups: a ``generate`` sent after a ``set_weights`` may start first,
+    so ``generate`` takes the lowest version it may use (``min_version``) and waits until it holds it.
     """
 
     def __init__(
@@ -144,15 +148,22 @@ class RolloutWorker:
         self.engine.sync_weights(weights)
         self.version = version
         self._pending: tuple[int, Any] | None = None
-        self._lock = threading.Lock()
+        self._received = threading.Condition()
 
     def set_weights(self, version: int, weights: Any) -> None:
-        with self._lock:
+        with self._received:
             if self._pending is None or version > self._pending[0]:
                 self._pending = (version, weights)
+            self._received.notify_all()
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> dict[str, Any]:
-        with self._lock:
+    def _newest_held(self) -> int:
+        return max(self.version, -1 if self._pending is None else self._pending[0])
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, min_version: int = 0
+    ) -> dict[str, Any]:
+        with self._received:  # the trainer's timeout_s bounds this wait
+            self._received.wait_for(lambda: self._newest_held() >= min_version)
             pending, self._pending = self._pending, None
         sync_s = 0.0
         if pending is not None and pending[0] > self.version:
@@ -278,8 +289,8 @@ class RaySource(RolloutSource):
     # -------------------------------------------------------------- chunks
     def _send(self, chunk: _Chunk) -> None:
         chunk.ref = self.workers[chunk.worker].generate.remote(
-            chunk.request.prompt_ids, chunk.request.sampling
-        )
+            chunk.request.prompt_ids, chunk.request.sampling, self._latest[0]
+        )  # with the weights published last or newer
 
     def _dispatch(self, step: int, request: RolloutRequest) -> _Step:
         """Split ``request`` into one chunk per worker (prompts dealt round robin) and send them."""

@@ -3,6 +3,7 @@
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 from ais_lightning.files import (
     CorruptFileError,
+    VerifiedCheckpointIO,
     atomic_write,
     discard_dir,
     hash_path,
@@ -124,3 +126,25 @@ def test_temp_dir_mode_follows_umask(tmp_path):
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o755
     assert (path / "f").stat().st_mode & 0o777 == 0o644
+
+
+class _CtrlCWhenSaved:
+    """Pickles as 7, pressing Ctrl+C (SIGINT to this process) in the middle of ``torch.save``."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return (int, (7,))
+
+
+def test_ctrl_c_during_a_checkpoint_save_waits_for_the_file_then_interrupts(tmp_path):
+    path = tmp_path / "last.ckpt"
+    checkpoint = {"before": torch.arange(1000.0), "press": _CtrlCWhenSaved(), "after": torch.ones(50_000)}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(
+        KeyboardInterrupt
+    ):  # delivered, but only once the checkpoint and its hash are published
+        VerifiedCheckpointIO().save_checkpoint(checkpoint, path)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is back
+    loaded = VerifiedCheckpointIO().load_checkpoint(path, weights_only=False)
+    assert loaded["press"] == 7 and torch.equal(loaded["after"], torch.ones(50_000))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.sha256"]

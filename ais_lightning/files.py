@@ -139,16 +139,26 @@ def ctrl_c_deferred() -> Iterator[None]:
     A ``KeyboardInterrupt`` raised inside a writer does not always come out as one: ``torch.save``'s zip writer
     closes the archive on its way out, fails on the half-written record and raises a ``RuntimeError`` in its
     place, so a run stopped by Ctrl+C during a checkpoint save ended as a crash (exit 1, not 130). Inside the
-    block a SIGINT is only recorded; when the block ends the handler that was in place is called with it (Python's
-    default one raises ``KeyboardInterrupt`` there, at a point where the file is whole or absent). Only the main
-    thread can set handlers: elsewhere, or when SIGINT's handler is not a Python function, this does nothing.
+    block a first SIGINT is only recorded; when the block ends the handler that was in place is called with it
+    (Python's default one raises ``KeyboardInterrupt`` there, at a point where the file is whole or absent). A second
+    Ctrl+C inside the block interrupts at once (a write that hangs, e.g. on a stalled network disk, can still be
+    stopped; the file is then left as it was). Only the main thread can set handlers: elsewhere, or when SIGINT's
+    handler is not a Python function, this does nothing.
     """
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or not callable(previous):
         yield
         return
     received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+
+    def record(signum: int, frame: Any) -> None:
+        if received:  # pressed again: the user will not wait for the write (delivered once, now)
+            received.clear()
+            previous(signum, frame)
+        else:
+            received.append(signum)
+
+    signal.signal(signal.SIGINT, record)
     try:
         yield
     finally:

@@ -148,3 +148,22 @@ def test_ctrl_c_during_a_checkpoint_save_waits_for_the_file_then_interrupts(tmp_
     loaded = VerifiedCheckpointIO().load_checkpoint(path, weights_only=False)
     assert loaded["press"] == 7 and torch.equal(loaded["after"], torch.ones(50_000))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.sha256"]
+
+
+def test_a_second_ctrl_c_interrupts_the_write_at_once_and_leaves_the_file_as_it_was(tmp_path):
+    path = tmp_path / "state.bin"
+    atomic_write(path, lambda f: f.write(b"old"))
+    written = []
+
+    def press_twice(f):
+        f.write(b"new, ")
+        os.kill(os.getpid(), signal.SIGINT)
+        f.write(b"still writing, ")  # the first press waits for the end of the write
+        os.kill(os.getpid(), signal.SIGINT)
+        written.append("past the second press")
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, press_twice)
+    assert written == [] and path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.bin"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

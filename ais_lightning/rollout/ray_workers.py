@@ -162,9 +162,11 @@ class RolloutWorker:
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, min_version: int = 0
     ) -> dict[str, Any]:
+        t0 = time.perf_counter()
         with self._received:  # the trainer's timeout_s bounds this wait
             self._received.wait_for(lambda: self._newest_held() >= min_version)
             pending, self._pending = self._pending, None
+        weights_wait_s = time.perf_counter() - t0
         sync_s = 0.0
         if pending is not None and pending[0] > self.version:
             t0 = time.perf_counter()
@@ -177,6 +179,7 @@ class RolloutWorker:
             "version": self.version,
             "seconds": time.perf_counter() - t0,
             "sync_s": sync_s,
+            "weights_wait_s": weights_wait_s,
         }
 
     def where(self) -> tuple[int, str]:
@@ -353,6 +356,7 @@ class RaySource(RolloutSource):
             "async/worker_tokens_per_s": tokens / max(sum(r["seconds"] for _, r in chunks), 1e-9),
             "async/worker_generate_s": busy,
             "async/worker_sync_s": max(r["sync_s"] for _, r in chunks),
+            "async/worker_weights_wait_s": max(r["weights_wait_s"] for _, r in chunks),
             "async/restarts": float(sum(self.restarts)),
         }
         batch, versions = merge_chunks(chunks)

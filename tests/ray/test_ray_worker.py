@@ -32,6 +32,9 @@ def test_a_chunk_waits_for_the_weights_published_before_it_then_uses_them():
     worker.set_weights(1, moved)
     chunk.join(timeout=60)
     assert not chunk.is_alive() and out["version"] == 1
+    assert (
+        out["weights_wait_s"] > 0.5
+    )  # waiting from (about) the thread's start until the publish, a second later
 
     reference = factory(model)
     reference.sync_weights(moved)

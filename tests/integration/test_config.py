@@ -303,3 +303,21 @@ def test_sweep_presets_name_existing_options(preset):
     for group, values in cfg.hydra.sweeper.params.items():
         if group in ("corrector", "rollout"):
             assert set(str(values).split(",")) <= set(options(group)), (preset, group)
+
+
+def test_every_example_of_the_help_composes_and_validates():
+    import yaml
+
+    header = yaml.safe_load((CONFIG_DIR / "train.yaml").read_text())["hydra"]["help"]["header"]
+    commands = [
+        line.split("   ")[0].split()[1:] for line in header.splitlines() if line.startswith("  ais-train")
+    ]
+    assert len(commands) >= 8  # the command, then its description after three spaces or more
+    overrides = [c for c in commands if all("=" in a and not a.startswith("-") for a in c)]
+    assert [] in overrides and ["algorithm.max_staleness=2"] in overrides and ["workers=ray"] in overrides
+    for args in overrides:
+        if args == ["ckpt_path=PATH"]:
+            continue
+        validate(
+            make(*args)
+        )  # the option exists and the config it makes passes the checks that run before training

@@ -242,7 +242,8 @@ class RaySource(RolloutSource):
         self.steps: dict[int, _Step] = {}
         self.restarts = [0] * settings.num_workers
         self.where: list[tuple[int, str]] = [(0, "")] * settings.num_workers
-        self._timings: dict[str, float] = {}
+        self._timings: dict[str, float] = {}  # of the last step's rollouts
+        self._publish_s: float | None = None  # of the last publish
         self._model_ref = ray.put(model)
         self._factory = engine_factory
         self._latest = (version, ray.put([(name, t.detach().cpu()) for name, t in named_tensors]))
@@ -377,10 +378,12 @@ class RaySource(RolloutSource):
         self._latest = (version, ref)
         for worker in self.workers:
             worker.set_weights.options(concurrency_group="weights").remote(version, ref)
-        self._timings["async/publish_s"] = time.perf_counter() - t0
+        self._publish_s = time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
-        return dict(self._timings)
+        """The last step's rollout timings and the last publish's (``async/publish_s``, once there was one)."""
+        publish = {} if self._publish_s is None else {"async/publish_s": self._publish_s}
+        return {**self._timings, **publish}
 
     def close(self) -> None:
         """Kill the workers; ``ray.shutdown()`` if this source initialized Ray: it stops a local cluster, and only

@@ -68,7 +68,7 @@ def test_workers_generate_what_the_engine_generates_stamped_with_versions(cluste
         assert fresh.versions.tolist() == [1] * 6
         stats = source.stats()
         assert stats["async/worker_tokens_per_s"] > 0 and stats["async/restarts"] == 0
-        assert stats["async/worker_weights_wait_s"] >= 0
+        assert stats["async/worker_weights_wait_s"] >= 0 and stats["async/publish_s"] > 0
     finally:
         source.close()
 

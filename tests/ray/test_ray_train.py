@@ -44,6 +44,7 @@ def test_train_resume_and_signals_leave_no_ray_process(tmp_path):
     rows = list(csv.DictReader(open(next(out.glob("csv/**/metrics.csv")))))
     assert any(r.get("async/queue_depth") not in (None, "") for r in rows)
     assert any(r.get("async/worker_tokens_per_s") not in (None, "") for r in rows)
+    assert any(r.get("async/publish_s") not in (None, "") for r in rows)  # the update's weights, put once
 
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         steps = len(list((out / "checkpoints").glob("step*.ckpt")))

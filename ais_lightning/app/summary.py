@@ -173,8 +173,35 @@ def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None)
     return "\n".join(lines)
 
 
+def history_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str, list[float]]]]:
+    """What :func:`plot_history` draws: ``(title, {line label: value per step})`` per panel.
+
+    Reward, mismatch KL (k3), entropy and AIS lambda; an asynchronous run (its history has ``staleness``) adds the
+    KL's precision and staleness parts to the KL panel and a panel of the mean staleness against its bound.
+    """
+
+    def series(key: str) -> list[float]:
+        return [h.get(key, float("nan")) for h in history]
+
+    kl = {"whole": series("kl_k3")}
+    asynchronous = any("staleness" in h for h in history)
+    if asynchronous:
+        kl.update(precision=series("kl_k3_precision"), staleness=series("kl_k3_staleness"))
+    panels = [
+        ("reward", {"reward": series("reward")}),
+        ("mismatch KL (k3)", kl),
+        ("entropy", {"entropy": series("entropy")}),
+        ("AIS lambda", {"lambda": series("lambda")}),
+    ]
+    if asynchronous:
+        panels.append(
+            ("staleness (versions)", {"mean": series("staleness"), "bound": series("staleness_bound")})
+        )
+    return panels
+
+
 def plot_history(history: list[dict[str, float]], path: str | Path) -> Path | None:
-    """Reward, mismatch KL, entropy and lambda vs step in one PNG (None if nothing to plot)."""
+    """The panels of :func:`history_panels` vs step in one PNG (None if nothing to plot)."""
     if not history:
         return None
     import matplotlib
@@ -183,15 +210,13 @@ def plot_history(history: list[dict[str, float]], path: str | Path) -> Path | No
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
-    panels = [
-        ("reward", "reward"),
-        ("kl_k3", "mismatch KL (k3)"),
-        ("entropy", "entropy"),
-        ("lambda", "AIS lambda"),
-    ]
+    panels = history_panels(history)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3))
-    for ax, (key, title) in zip(axes, panels):
-        ax.plot(steps, [h.get(key, float("nan")) for h in history])
+    for ax, (title, lines) in zip(axes, panels):
+        for label, values in lines.items():
+            ax.plot(steps, values, label=label, linestyle="--" if label == "bound" else "-")
+        if len(lines) > 1:
+            ax.legend(fontsize="small")
         ax.set_title(title)
         ax.set_xlabel("rollout step")
     fig.tight_layout()

@@ -77,6 +77,7 @@ def summarize(
         },
         "reward_failures": int(sum(h.get("reward_failed", 0.0) for h in history)),
         **_staleness(history),
+        **_workers(history),
         **alarms,
     }
 
@@ -88,9 +89,23 @@ def _staleness(history: list[dict[str, float]]) -> dict[str, float]:
         return {}
     return {
         "staleness_mean": _mean([h.get("staleness", float("nan")) for h in history]),
-        "staleness_max": max(h.get("staleness", 0.0) for h in history),
+        "staleness_max": max(h.get("staleness_max", h.get("staleness", 0.0)) for h in history),  # of any row
+        "staleness_dropped": sum(h.get("dropped", 0.0) for h in history),
         "kl_k3_precision_mean": _mean([h.get("kl_k3_precision", float("nan")) for h in history]),
         "kl_k3_staleness_mean": _mean([h.get("kl_k3_staleness", float("nan")) for h in history]),
+    }
+
+
+def _workers(history: list[dict[str, float]]) -> dict[str, float]:
+    """A run with rollout workers: the time the trainer waited for rollouts (total and per step) and the workers'
+    restarts; empty without workers."""
+    waits = [h["rollout_wait_s"] for h in history if "rollout_wait_s" in h]
+    if not waits:
+        return {}
+    return {
+        "rollout_wait_s": sum(waits),
+        "rollout_wait_per_step_s": sum(waits) / len(waits),
+        "worker_restarts": max(h.get("worker_restarts", 0.0) for h in history),
     }
 
 
@@ -152,8 +167,14 @@ def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None)
         ]
         if "staleness_mean" in summary:
             lines.append(
-                f"staleness (versions)  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']:.0f}; "
-                f"KL k3 precision {summary['kl_k3_precision_mean']:.2e}, staleness {summary['kl_k3_staleness_mean']:.2e}"
+                f"staleness (versions)  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']:.0f}, "
+                f"dropped {summary.get('staleness_dropped', 0):.0f} rows; KL k3 precision "
+                f"{summary['kl_k3_precision_mean']:.2e}, staleness {summary['kl_k3_staleness_mean']:.2e}"
+            )
+        if "rollout_wait_s" in summary:
+            lines.append(
+                f"rollout workers       the trainer waited {summary['rollout_wait_s']:.1f} s for rollouts "
+                f"({summary['rollout_wait_per_step_s']:.2f} s per step); restarts {summary['worker_restarts']:.0f}"
             )
         if summary["lambda_trajectory"]:
             traj = "  ".join(f"{s}:{v:.3f}" for s, v in summary["lambda_trajectory"].items())

@@ -451,7 +451,11 @@ class GRPOModule(PolicyUpdate, GRPOValidation, LightningModule):
         reward_min, reward_max = reward_range(exp.rewards, self.trainer.strategy)
         if self.alarm.observe(reward_min, reward_max, self.rollout_step):
             self._warn_constant_reward(exp, batch)
-        extra = {**self.HISTORY_STATS, **(self.staleness.HISTORY_STATS if self.staleness is not None else {})}
+        extra = {
+            **self.HISTORY_STATS,
+            **(self.staleness.HISTORY_STATS if self.staleness is not None else {}),
+            **self.source.HISTORY_STATS,
+        }
         self.history.append(history_entry(self.rollout_step, stats, reward_min, reward_max, extra))
         rewards_failed = stats["reward/failed"] >= exp.rewards.numel()
         reason = (

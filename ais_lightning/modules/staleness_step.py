@@ -45,7 +45,9 @@ class StalenessStep:
 
     HISTORY_STATS: ClassVar[dict[str, str]] = {
         "staleness": "staleness/mean",
+        "staleness_max": "staleness/max",
         "staleness_bound": "staleness/bound",
+        "dropped": "staleness/dropped",
         "kl_k3_precision": "mismatch/precision/kl_k3",
         "kl_k3_staleness": "mismatch/staleness/kl_k3",
     }

@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -207,6 +207,11 @@ class _Step:
 
 class RaySource(RolloutSource):
     """Rollouts from workers on Ray (:class:`RayWorkers`); see the module docstring."""
+
+    HISTORY_STATS: ClassVar[dict[str, str]] = {
+        "rollout_wait_s": "async/idle_s",
+        "worker_restarts": "async/restarts",
+    }
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -69,6 +70,9 @@ class RolloutSource(abc.ABC):
     requests of the next :meth:`lookahead` steps through :meth:`submit` first. The in-process ``engine`` (the one
     validation also samples with) holds the weights of :attr:`engine_version`; :meth:`hold` brings it to a version.
     """
+
+    HISTORY_STATS: ClassVar[dict[str, str]] = {}
+    """What each entry of the run's history (the end-of-run summary) records of :meth:`stats`: name -> key."""
 
     def __init__(self, engine: RolloutEngine, engine_version: int = 0) -> None:
         self.engine = engine

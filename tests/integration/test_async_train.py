@@ -20,7 +20,10 @@ def test_max_staleness_2_trains_with_stale_rows_and_logs_both_parts(tmp_path: Pa
         [*SMOKE, "algorithm.max_staleness=2", "trainer.max_steps=4", "logger=csv", f"hydra.run.dir={out}"],
         tmp_path,
     )
-    assert "ais-train summary" in proc.stdout and "staleness (versions)  mean 1.25, max 2;" in proc.stdout
+    assert (
+        "ais-train summary" in proc.stdout
+        and "staleness (versions)  mean 1.25, max 2, dropped 0 rows;" in proc.stdout
+    )
     history = json.loads((out / "history.json").read_text())
     assert [h["staleness"] for h in history] == [0.0, 1.0, 2.0, 2.0]
     rows = [r for r in csv.DictReader(open(next(out.glob("csv/**/metrics.csv")))) if r.get("staleness/mean")]

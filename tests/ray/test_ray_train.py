@@ -34,9 +34,10 @@ def _history(out: Path) -> list[dict]:
 def test_train_resume_and_signals_leave_no_ray_process(tmp_path):
     before = ray_processes()
     out = tmp_path / "run"
-    Run([*RAY, "trainer.max_steps=3", f"hydra.run.dir={out}"], tmp_path, log_name="first").expect(
+    first = Run([*RAY, "trainer.max_steps=3", f"hydra.run.dir={out}"], tmp_path, log_name="first").expect(
         0, timeout=900
     )
+    assert "rollout workers       the trainer waited" in first.output  # the summary's line of the workers
     _no_ray_left(before)
     history = _history(out)
     assert [h["step"] for h in history] == [1.0, 2.0, 3.0]

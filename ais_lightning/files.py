@@ -177,7 +177,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # open() honours the umask
     with ctrl_c_deferred():
-        _write_and_rename(tmp, path, write)
+        try:
+            _write_synced(tmp, write)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     _fsync_dir(path.parent)
 
 
@@ -187,15 +192,6 @@ def _write_synced(tmp: Path, write: Callable[[IO[bytes]], Any]) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_and_rename(tmp: Path, path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    try:
-        _write_synced(tmp, write)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_sidecar(path: Path, digests: list[str]) -> None:

@@ -82,10 +82,15 @@ def summarize(
     }
 
 
+def is_asynchronous(history: list[dict[str, float]]) -> bool:
+    """Whether the history is an asynchronous run's (its steps record their ``staleness``)."""
+    return any("staleness" in h for h in history)
+
+
 def _staleness(history: list[dict[str, float]]) -> dict[str, float]:
     """An asynchronous run's staleness (versions) and its two KLs, means over the steps; empty for a synchronous
     run."""
-    if not any("staleness" in h for h in history):
+    if not is_asynchronous(history):
         return {}
     return {
         "staleness_mean": _mean([h.get("staleness", float("nan")) for h in history]),
@@ -168,7 +173,7 @@ def format_summary(summary: dict[str, Any], extra: dict[str, Any] | None = None)
         if "staleness_mean" in summary:
             lines.append(
                 f"staleness (versions)  mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']:.0f}, "
-                f"dropped {summary.get('staleness_dropped', 0):.0f} rows; KL k3 precision "
+                f"dropped {summary['staleness_dropped']:.0f} rows; KL k3 precision "
                 f"{summary['kl_k3_precision_mean']:.2e}, staleness {summary['kl_k3_staleness_mean']:.2e}"
             )
         if "rollout_wait_s" in summary:
@@ -205,7 +210,7 @@ def history_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str,
         return [h.get(key, float("nan")) for h in history]
 
     kl = {"whole": series("kl_k3")}
-    asynchronous = any("staleness" in h for h in history)
+    asynchronous = is_asynchronous(history)
     if asynchronous:
         kl.update(precision=series("kl_k3_precision"), staleness=series("kl_k3_staleness"))
     panels = [

@@ -39,6 +39,7 @@ CONTINUING_KEYS = (
     "shortcuts.",
     "trainer.max_steps",
     "trainer.checkpoint_every_n_steps",
+    "trainer.keep_checkpoints",
     "trainer.enable_progress_bar",
     "trainer.num_threads",
     "logger.",

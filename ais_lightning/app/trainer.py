@@ -33,14 +33,27 @@ class TrainerSettings:
     """Lightning precision plugin (the trainer's precision)."""
     checkpoint_every_n_steps: int = 0
     """Save a checkpoint every N rollout steps (0 = only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep the N newest of the periodic checkpoints, deleting older ones (0 = keep every one); ``last.ckpt`` is
+    always kept. Needs ``checkpoint_every_n_steps``."""
     enable_progress_bar: bool = True
     """Show a progress bar."""
     num_threads: int | None = None
     """torch intra-op threads (None = torch's default)."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("max_steps", 1), ("num_nodes", 1), ("checkpoint_every_n_steps", 0)):
+        for name, minimum in (
+            ("max_steps", 1),
+            ("num_nodes", 1),
+            ("checkpoint_every_n_steps", 0),
+            ("keep_checkpoints", 0),
+        ):
             check_int(getattr(self, name), name, minimum)
+        if self.keep_checkpoints and not self.checkpoint_every_n_steps:
+            raise ValueError(
+                f"keep_checkpoints={self.keep_checkpoints} keeps periodic checkpoints, but "
+                "checkpoint_every_n_steps is 0 (only last.ckpt is written): set checkpoint_every_n_steps too"
+            )
         if self.num_threads is not None and (
             isinstance(self.num_threads, bool)
             or not isinstance(self.num_threads, int)
@@ -139,18 +152,24 @@ def progress_bar(label: str) -> Any:
     return StepProgressBar()
 
 
-def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None) -> Any:
-    """Checkpoints under ``<output_dir>/checkpoints``: ``last.ckpt`` always, every N optimizer steps if set."""
+def checkpoint_callback(output_dir: str | Path, every_n_train_steps: int | None, keep: int = 0) -> Any:
+    """Checkpoints under ``<output_dir>/checkpoints``: ``last.ckpt`` always, every N optimizer steps if set, of
+    which the ``keep`` newest stay (0 = all)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    if every_n_train_steps and keep:
+        # Lightning keeps the top k by a monitored value: the global step (always a candidate) ranks by age
+        kept: dict[str, Any] = {"monitor": "step", "mode": "max", "save_top_k": keep}
+    else:  # monitor and mode at Lightning's defaults: the callback's state key of earlier checkpoints
+        kept = {"save_top_k": -1 if every_n_train_steps else 1}
     return ModelCheckpoint(
         dirpath=Path(output_dir) / "checkpoints",
         filename="step{step:06d}",  # no "=" in the name: Hydra overrides (ckpt_path=...) take it unquoted
         auto_insert_metric_name=False,
         save_last=True,
         every_n_train_steps=every_n_train_steps,
-        save_top_k=-1 if every_n_train_steps else 1,
         enable_version_counter=False,  # a resumed run overwrites last.ckpt: "last" is always the newest
+        **kept,
     )
 
 
@@ -160,7 +179,8 @@ def build_trainer(
     """``ais-train``'s Lightning Trainer: ``settings.max_steps`` rollout steps of the ``algorithm``'s
     ``optimizer_steps_per_rollout`` optimizer steps, validation every ``algorithm.val_every_n_steps`` rollout
     steps (none before training: the run validates first itself), verified checkpoints under
-    ``<output_dir>/checkpoints`` (every ``checkpoint_every_n_steps`` rollout steps, and ``last.ckpt``),
+    ``<output_dir>/checkpoints`` (every ``checkpoint_every_n_steps`` rollout steps, the ``keep_checkpoints`` newest
+    kept, and ``last.ckpt``),
     ``callbacks`` first, then the checkpoint callback and a step-counting progress bar. FSDP shards the
     ``policy`` by its decoder layers. Under SLURM, Lightning's own requeue handler is off: the run's
     :class:`ais_lightning.app.preemption.Preemption` callback handles SIGUSR1."""
@@ -190,7 +210,7 @@ def build_trainer(
         plugins=[VerifiedCheckpointIO(), *slurm_plugins()],
         callbacks=[
             *callbacks,
-            checkpoint_callback(output_dir, every),
+            checkpoint_callback(output_dir, every, settings.keep_checkpoints),
             MLflowRunInCheckpoint(logger, output_dir),
             *bar,
         ],

@@ -28,6 +28,8 @@ def make(*overrides: str):
         ("algorithm.lr=nan", "algorithm.lr"),
         ("algorithm.max_bad_steps=0", "algorithm.max_bad_steps"),
         ("trainer.checkpoint_every_n_steps=-1", "trainer.checkpoint_every_n_steps"),
+        ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
+        ("trainer.keep_checkpoints=2", "trainer.keep_checkpoints"),  # without checkpoint_every_n_steps
         ("trainer.num_threads=0", "trainer.num_threads"),
         ("trainer.num_nodes=0", "trainer.num_nodes"),
         ("trainer.strategy=ddp_spawn", "trainer.strategy"),

@@ -62,6 +62,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from ais_lightning.app.build import validate
+    from ais_lightning.app.checkpoint_space import check_checkpoint_space
     from ais_lightning.app.contract import ConfigInCheckpoint, ResumeSettings
     from ais_lightning.app.failures import failure_handling
     from ais_lightning.app.noise import silence_known_noise
@@ -94,6 +95,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             cfg.seed, warm=fresh, progress_bar=components.trainer.enable_progress_bar
         )
         module = components.grpo_module(policy, cfg.seed)
+        check_checkpoint_space(
+            module, components.trainer, cfg.output_dir
+        )  # a warning now, not a full disk later
         # a resume that cannot continue is refused before its MLflow run is touched
         resume.check_state(module)
         data = components.prompt_data(

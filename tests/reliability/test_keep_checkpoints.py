@@ -3,6 +3,7 @@ resume; ``last.ckpt`` always stays."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,8 +33,12 @@ def test_the_newest_periodic_checkpoints_stay_through_a_resume(tmp_path: Path):
         "logger=none",
         f"hydra.run.dir={run_dir}",
     ]
-    Run([*common, "trainer.max_steps=4"], tmp_path, log_name="first").expect(0)
+    first = Run([*common, "trainer.max_steps=4"], tmp_path, log_name="first").expect(0)
     assert _checkpoints(run_dir) == _kept(3, 4)
+    # the size the run estimated before training, against the checkpoint it wrote
+    estimate = float(re.search(r"checkpoints: about ([0-9.]+) MB each, at most 4 at once", first.output)[1])
+    written = (run_dir / "checkpoints" / "step000004.ckpt").stat().st_size / 1e6
+    assert written * 0.9 < estimate < written * 1.1, (estimate, written)
 
     # the resumed run knows the checkpoints it kept (Lightning's callback state): steps 3 and 4 go in turn
     Run([*common, "trainer.max_steps=6", "ckpt_path=last"], tmp_path, log_name="resumed").expect(0)

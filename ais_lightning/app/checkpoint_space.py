@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ais_lightning.modules.trainer_memory import ADAMW_STATES
+
 if TYPE_CHECKING:
     from ais_lightning.app.trainer import TrainerSettings
+    from ais_lightning.modules.grpo import GRPOModule
 
 log = logging.getLogger(__name__)
-
-ADAM_MOMENTS = 2
-"""AdamW keeps two tensors the size of each trained parameter (``exp_avg``, ``exp_avg_sq``)."""
 
 
 def tensor_bytes(tensors: Iterable[object]) -> int:
@@ -34,7 +34,7 @@ def checkpoint_bytes(state: int, trained: int, snapshot: int = 0, snapshots: int
     """One checkpoint's size, about: the module's ``state`` bytes, AdamW's two moments of the ``trained``
     parameters' bytes, and ``snapshots`` kept policy versions of ``snapshot`` bytes each (an asynchronous run keeps
     them in its checkpoints)."""
-    return state + ADAM_MOMENTS * trained + snapshots * snapshot
+    return state + ADAMW_STATES * trained + snapshots * snapshot
 
 
 def checkpoint_files(max_steps: int, every_n_steps: int, keep: int) -> int:
@@ -58,18 +58,16 @@ def space_warning(one: int, files: int, free: int, directory: Path) -> str | Non
     )
 
 
-def check_checkpoint_space(module: torch.nn.Module, trainer: TrainerSettings, output_dir: str | Path) -> int:
+def check_checkpoint_space(module: GRPOModule, trainer: TrainerSettings, output_dir: str | Path) -> int:
     """Log the estimated size of one checkpoint of ``module`` and warn when the run's checkpoints (by the ``trainer``
     settings' ``max_steps``, ``checkpoint_every_n_steps``, ``keep_checkpoints``) may not fit under ``output_dir``;
     returns the estimate in bytes."""
-    policy = getattr(module, "policy", module)
-    trained = tensor_bytes(p for p in policy.parameters() if p.requires_grad)
-    staleness = getattr(module, "staleness", None)
+    params = list(module.policy.parameters())
     one = checkpoint_bytes(
         state=tensor_bytes(module.state_dict().values()),
-        trained=trained,
-        snapshot=tensor_bytes(policy.parameters()),
-        snapshots=staleness.snapshots.keep if staleness is not None else 0,
+        trained=tensor_bytes(p for p in params if p.requires_grad),
+        snapshot=tensor_bytes(params),
+        snapshots=module.staleness.snapshots.keep if module.staleness is not None else 0,
     )
     files = checkpoint_files(trainer.max_steps, trainer.checkpoint_every_n_steps, trainer.keep_checkpoints)
     directory = Path(output_dir)

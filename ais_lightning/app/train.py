@@ -95,9 +95,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             cfg.seed, warm=fresh, progress_bar=components.trainer.enable_progress_bar
         )
         module = components.grpo_module(policy, cfg.seed)
-        check_checkpoint_space(
-            module, components.trainer, cfg.output_dir
-        )  # a warning now, not a full disk later
+        # a warning now, not a full disk at a checkpoint hours later
+        check_checkpoint_space(module, components.trainer, cfg.output_dir)
         # a resume that cannot continue is refused before its MLflow run is touched
         resume.check_state(module)
         data = components.prompt_data(
